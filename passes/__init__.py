@@ -1,0 +1,15 @@
+"""The graph passes, one per file, in pipeline order.
+
+Each pass module defines ``NAME`` (used by ``disable_passes`` and the dumps),
+``KINDS`` (which ATen graphs it rewrites: "forward", "backward", "inference")
+and ``run(gm, ctx) -> gm``.  A pass may only rewrite the graph it is given and
+record facts in ``ctx.facts``; it never touches files, threads or the runtime.
+"""
+
+from . import partition
+
+PIPELINE: tuple = (partition,)
+
+
+def pass_names() -> tuple[str, ...]:
+    return tuple(module.NAME for module in PIPELINE)

@@ -1,0 +1,97 @@
+"""The ``partition`` pass: ZeRO's gathers, releases and gradient reductions.
+
+* stage 3: every parameter placeholder is gathered right before its first use
+  (``zinf.gather_start`` + ``zinf.gather_wait``) and released right after its
+  last use (``zinf.release``), in forward and again in backward (the min-cut
+  partitioner saves the storage-less parameter itself, not its full value, so
+  backward must fetch it again).
+* stages 2 and 3: each parameter gradient the backward graph returns is sent
+  instead through ``zinf.reduce_grad_start``/``_wait`` into the rank's gradient
+  shard, and the graph returns ``None`` for it, so ``param.grad`` stays ``None``.
+* stage 1: graphs untouched; the optimizer reduce-scatters full gradients.
+* stage 0 with world size > 1: each gradient is averaged over ranks
+  (``zinf.all_reduce_grad``), plain data parallelism.
+
+Reads ``ctx.params`` (placeholder -> parameter) and ``ctx.captured.param_uids``;
+records ``ctx.facts["gathered"]`` and ``ctx.facts["reduced"]`` (uids).  The
+schedule pass later moves every start earlier and every wait later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zinf_compiler import ops
+from zinf_compiler.context import GraphContext
+from zinf_compiler.graph_utils import call_op, first_node, last_node, node_order, output_node, placeholders_by_name
+
+NAME = "partition"
+KINDS = ("forward", "backward", "inference")
+
+
+def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    stage = ctx.options.stage
+    ctx.facts["gathered"] = _insert_gathers(gm.graph, ctx) if stage == 3 else []
+    reduced = []
+    if ctx.kind == "backward" and (stage >= 2 or (stage == 0 and ctx.captured.world_size > 1)):
+        reduced = _reduce_gradients(gm.graph, ctx)
+    ctx.facts["reduced"] = reduced
+    return gm
+
+
+def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
+    placeholders = placeholders_by_name(graph)
+    gathered_uids = []
+    for placeholder_name, info in ctx.params.items():
+        param_node = placeholders[placeholder_name]
+        # The output keeps the storage-less parameter (saved for backward, which
+        # gathers again); only computation reads the gathered copy.
+        compute_users = [user for user in param_node.users if user.op != "output"]
+        if not compute_users:
+            continue
+        uid = ctx.captured.param_uids[info.position]
+        order = node_order(graph)
+        with graph.inserting_before(first_node(compute_users, order)):
+            token = call_op(graph, ops.GATHER_START, (param_node, uid), name=f"gg_start_{placeholder_name}")
+            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, uid), name=f"gathered_{placeholder_name}")
+        for user in compute_users:
+            user.replace_input_with(param_node, gathered)
+        order = node_order(graph)
+        with graph.inserting_after(last_node(gathered.users, order)):
+            call_op(graph, ops.RELEASE, (gathered, uid), name=f"release_{placeholder_name}")
+        gathered_uids.append(uid)
+    return gathered_uids
+
+
+def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
+    output = output_node(graph)
+    grads = list(output.args[0])
+    inputs = ctx.captured.inputs
+    offset = len(grads) - len(inputs)  # leading outputs for effect tokens, if any
+    if offset < 0:
+        raise RuntimeError(
+            f"zinf partition: backward graph {ctx.graph_id} returns {len(grads)} gradients for "
+            f"{len(inputs)} inputs; cannot match gradients to parameters"
+        )
+    reduced = []
+    for index, grad in enumerate(grads):
+        if index < offset or not isinstance(grad, torch.fx.Node):
+            continue
+        info = inputs[index - offset]
+        if info.kind != "param" or info.position not in ctx.captured.param_uids:
+            continue
+        uid = ctx.captured.param_uids[info.position]
+        # As soon as the gradient exists (the schedule pass may push the wait later).
+        where = graph.inserting_before(output) if grad.op == "placeholder" else graph.inserting_after(grad)
+        with where:
+            if ctx.options.stage == 0:
+                grads[index] = call_op(graph, ops.ALL_REDUCE_GRAD, (grad,), name=f"averaged_grad_{uid}")
+            else:
+                token = call_op(graph, ops.REDUCE_GRAD_START, (grad, uid), name=f"rs_start_{uid}")
+        if ctx.options.stage != 0:
+            with graph.inserting_after(token):
+                call_op(graph, ops.REDUCE_GRAD_WAIT, (token, uid), name=f"rs_wait_{uid}")
+            grads[index] = None
+        reduced.append(uid)
+    output.args = (tuple(grads),) + tuple(output.args[1:])
+    return reduced

@@ -1,0 +1,26 @@
+"""zinf: ZeRO-Infinity as a torch.compile backend.
+
+``torch.compile(model, backend="zinf", options={...})`` works without
+importing this package (the backend is registered through the
+``torch_dynamo_backends`` entry point); import it for the helpers.
+"""
+
+from . import optim
+from .api import full_state_dict, memory_report, reset_peak_memory
+from .backend import register, zinf_backend
+from .options import ZinfOptionError, ZinfOptions, describe_options, parse_options
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "full_state_dict",
+    "memory_report",
+    "optim",
+    "reset_peak_memory",
+    "ZinfOptionError",
+    "ZinfOptions",
+    "describe_options",
+    "parse_options",
+    "register",
+    "zinf_backend",
+]

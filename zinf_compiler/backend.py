@@ -1,0 +1,147 @@
+"""The ``zinf`` torch.compile backend: capture, rewrite, lower.
+
+``torch.compile(model, backend="zinf", options={...})`` calls :func:`zinf_backend`
+once per Dynamo subgraph (a graph break gives several).  Each subgraph goes
+through AOTAutograd into forward and backward ATen graphs; every ATen graph
+runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
+
+* ``lower="inductor"``: Inductor's own ``compile_fx`` drives AOTAutograd, its
+  joint-graph passes and the min-cut partitioner; zinf hooks in as
+  ``inner_compile``, rewriting each ATen graph right before Inductor lowers it.
+* ``lower="eager"``: zinf runs AOTAutograd itself (same min-cut partitioner,
+  no decompositions beyond AOTAutograd's own) and runs the rewritten graph's
+  generated Python.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from .context import CapturedGraph, GraphContext
+from .runtime.store import STORE
+from .dump import GraphDumper
+from .options import ZinfOptions, parse_options
+from .pipeline import run_passes
+
+
+def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Callable:
+    """The backend entry point (registered as ``"zinf"``)."""
+    from zinf_compiler.passes import pass_names
+
+    parsed = parse_options(options, known_passes=pass_names())
+    return compile_captured(gm, example_inputs, parsed)
+
+
+def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> Callable:
+    captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
+    captured.world_size = STORE.comm.world_size
+    if options.stage > 0:
+        for position, param in captured.param_tensors.items():
+            captured.param_uids[position] = STORE.adopt(
+                param, captured.inputs[position].name, options.stage, options.partition, options.param_dtype
+            )
+    dumper = GraphDumper(captured)
+    dumper.dump_dynamo(gm)
+    rewrite = functools.partial(_rewrite_aten_graph, captured, dumper)
+    # The AOTAutograd cache would hand back a previously compiled graph and skip
+    # our hooks, silently dropping every pass: keep it off for zinf graphs.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        if options.lower == "inductor":
+            compiled = _compile_with_inductor(gm, example_inputs, rewrite)
+        else:
+            compiled = _compile_eager(gm, example_inputs, rewrite)
+    # Only now, with tracing done, may stage 3 parameters give up their memory.
+    STORE.release_full_storage(captured.param_uids.values())
+    return compiled
+
+
+def _compile_with_inductor(gm, example_inputs, rewrite) -> Callable:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(aten_gm: torch.fx.GraphModule, aten_inputs, **kwargs):
+        if kwargs.get("is_backward", False):
+            kind = "backward"
+        elif kwargs.get("is_inference", False):
+            kind = "inference"
+        else:
+            kind = "forward"
+        aten_gm = rewrite(aten_gm, kind)
+        return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _compile_eager(gm, example_inputs, rewrite) -> Callable:
+    def make_compiler(kind: str):
+        def compiler(aten_gm: torch.fx.GraphModule, aten_inputs):
+            aten_gm = rewrite(aten_gm, kind)
+            return make_boxed_func(aten_gm.forward)
+
+        return compiler
+
+    return aot_autograd(
+        fw_compiler=make_compiler("forward"),
+        bw_compiler=make_compiler("backward"),
+        inference_compiler=make_compiler("inference"),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+
+
+def _rewrite_aten_graph(
+    captured: CapturedGraph, dumper: GraphDumper, aten_gm: torch.fx.GraphModule, kind: str
+) -> torch.fx.GraphModule:
+    ctx = GraphContext(captured=captured, kind=kind, params=_param_placeholders(captured, aten_gm, kind))
+    return run_passes(aten_gm, ctx, dumper)
+
+
+def _param_placeholders(captured: CapturedGraph, aten_gm: torch.fx.GraphModule, kind: str) -> dict:
+    """Map this ATen graph's parameter placeholders to the Dynamo inputs they carry.
+
+    The forward (or inference) graph takes the Dynamo inputs in order, after
+    any effect tokens AOTAutograd prepends.  The backward graph receives saved
+    parameters under their forward placeholder names (``primals_3``).
+    """
+    placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
+    if kind != "backward":
+        leading = len(placeholders) - len(captured.inputs)
+        tracing = torch._guards.TracingContext.try_get()
+        metadata = getattr(tracing, "fw_metadata", None) if tracing is not None else None
+        tokens = len(getattr(metadata, "tokens", None) or ())
+        if leading < 0 or leading < tokens:
+            raise RuntimeError(
+                f"zinf: graph {captured.graph_id} {kind} has {len(placeholders)} inputs for "
+                f"{len(captured.inputs)} Dynamo inputs; cannot identify its parameters"
+            )
+        for info, node in zip(captured.inputs, placeholders[tokens:]):
+            value = node.meta.get("val")
+            if info.shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
+                raise RuntimeError(
+                    f"zinf: graph {captured.graph_id} {kind}: input {node.name} has shape {tuple(value.shape)}, "
+                    f"expected {info.shape} for {info.name}; cannot identify its parameters"
+                )
+            captured.input_by_placeholder[node.name] = info
+    return {
+        node.name: captured.input_by_placeholder[node.name]
+        for node in placeholders
+        if node.name in captured.input_by_placeholder and captured.input_by_placeholder[node.name].kind == "param"
+    }
+
+
+def register() -> None:
+    """Register ``"zinf"`` by hand, for a source tree used without ``pip install``.
+
+    Installed, the ``torch_dynamo_backends`` entry point registers it on first
+    lookup; registering while that lookup imports this package would collide,
+    which is why importing ``zinf_compiler`` does not call this.
+    """
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "zinf" not in _COMPILER_FNS:
+        register_backend(zinf_backend, name="zinf")

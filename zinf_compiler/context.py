@@ -1,0 +1,139 @@
+"""What the passes know about a graph: the ``ctx`` of ``pass(gm, ctx) -> gm``.
+
+One Dynamo subgraph becomes one :class:`CapturedGraph`; AOTAutograd turns it
+into a forward and a backward ATen graph (or one inference graph), each
+rewritten with its own :class:`GraphContext`.  Passes read facts here and
+record new ones in ``ctx.facts`` (documented keys only), never elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import threading
+from typing import Any
+
+import torch
+
+from .options import ZinfOptions
+
+_graph_ids = itertools.count()
+_graph_ids_lock = threading.Lock()
+
+# `L['self']._modules['l1']._parameters['weight']` -> `l1.weight`
+_MODULE_PATH_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+
+
+def module_path_from_source(source_name: str) -> str:
+    """The dotted module path a Dynamo source names, or the source itself for plain inputs."""
+    parts = _MODULE_PATH_PART.findall(source_name)
+    return ".".join(parts) if parts else source_name
+
+
+@dataclasses.dataclass
+class InputInfo:
+    """One input of the Dynamo graph: a parameter, a buffer or a user tensor."""
+
+    position: int  # index among the Dynamo graph's placeholders
+    name: str  # module path for params and buffers (``blocks.0.attn.qkv.weight``)
+    kind: str  # "param" | "buffer" | "input" | "other"
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        if self.shape is None or self.dtype is None:
+            return 0
+        numel = 1
+        for size in self.shape:
+            numel *= int(size)
+        return numel * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """A Dynamo subgraph handed to the backend, and the parameters it uses."""
+
+    graph_id: int
+    options: ZinfOptions
+    inputs: list[InputInfo]
+    # Real parameter tensors by Dynamo position (the runtime adopts these);
+    # user inputs are not kept, so a batch is never held alive by a compile.
+    param_tensors: dict[int, torch.Tensor]
+    # Filled while the forward graph is rewritten: ATen placeholder name
+    # (``primals_3``) -> the Dynamo input it carries.  The backward graph's
+    # saved primals keep these names, which is how it finds its parameters.
+    input_by_placeholder: dict[str, InputInfo] = dataclasses.field(default_factory=dict)
+    # Dynamo position -> the runtime store's uid of the adopted parameter.
+    param_uids: dict[int, int] = dataclasses.field(default_factory=dict)
+    world_size: int = 1
+
+    @classmethod
+    def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> "CapturedGraph":
+        with _graph_ids_lock:
+            graph_id = next(_graph_ids)
+        inputs: list[InputInfo] = []
+        param_tensors: dict[int, torch.Tensor] = {}
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        for position, node in enumerate(placeholders):
+            example = example_inputs[position] if position < len(example_inputs) else None
+            grapharg = node.meta.get("grapharg")
+            source_name = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
+            if callable(source_name):  # older torch: Source.name() is a method
+                source_name = source_name()
+            if isinstance(example, torch.nn.Parameter) or "._parameters[" in source_name:
+                kind = "param"
+            elif "._buffers[" in source_name:
+                kind = "buffer"
+            elif isinstance(example, torch.Tensor):
+                kind = "input"
+            else:
+                kind = "other"
+            is_tensor = isinstance(example, torch.Tensor)
+            inputs.append(
+                InputInfo(
+                    position=position,
+                    name=module_path_from_source(source_name),
+                    kind=kind,
+                    shape=tuple(example.shape) if is_tensor else None,
+                    dtype=example.dtype if is_tensor else None,
+                    requires_grad=bool(is_tensor and example.requires_grad),
+                )
+            )
+            if kind == "param" and is_tensor:
+                param_tensors[position] = example
+        return cls(graph_id=graph_id, options=options, inputs=inputs, param_tensors=param_tensors)
+
+    @property
+    def params(self) -> list[InputInfo]:
+        return [info for info in self.inputs if info.kind == "param"]
+
+
+@dataclasses.dataclass
+class GraphContext:
+    """The ``ctx`` every pass receives for one ATen graph.
+
+    * ``kind``: "forward", "backward" or "inference".
+    * ``params``: ATen placeholder name -> :class:`InputInfo` for every
+      parameter placeholder of this graph (the parameter table).
+    * ``facts``: what passes learned, by documented key, for later passes and
+      the dumps.
+    """
+
+    captured: CapturedGraph
+    kind: str
+    params: dict[str, InputInfo]
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def options(self) -> ZinfOptions:
+        return self.captured.options
+
+    @property
+    def graph_id(self) -> int:
+        return self.captured.graph_id
+
+    def param_bytes(self) -> int:
+        return sum(info.nbytes for info in self.params.values())

@@ -1,0 +1,123 @@
+"""A small GPT (tied embeddings, LayerNorm, causal SDPA, GELU MLP).
+
+Shared by ``examples/train_gpt.py``, the tests and the benchmarks so that all
+of them exercise the same model.  Plain PyTorch: nothing zinf-specific.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    # Extras that exercise the ZeRO corner cases: a frozen parameter and a
+    # buffer both take part in forward.
+    frozen_scale: bool = False
+    graph_break: bool = False  # a data-dependent branch in forward splits the Dynamo graph
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one tensor under two names
+        self.register_buffer("positions", torch.arange(cfg.block_size), persistent=False)
+        if cfg.frozen_scale:
+            self.embed_scale = nn.Parameter(torch.full((cfg.n_embd,), 1.5), requires_grad=False)
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        seq = idx.shape[1]
+        x = self.wte(idx) + self.wpe(self.positions[:seq])
+        if self.cfg.frozen_scale:
+            x = x * self.embed_scale
+        if self.cfg.graph_break and x.abs().amax() > 1e4:
+            # A branch on a tensor's value: Dynamo cannot trace it and splits
+            # the graph here (the branch itself never fires).
+            x = x / 2
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def synthetic_batches(cfg: GPTConfig, batch_size: int, steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic token batches with learnable structure (a noisy counting sequence)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=generator)
+        stride = torch.randint(1, 4, (batch_size, 1), generator=generator)
+        tokens = (start + stride * torch.arange(cfg.block_size + 1)) % cfg.vocab_size
+        noise = torch.rand(tokens.shape, generator=generator) < 0.05
+        tokens = torch.where(noise, torch.randint(0, cfg.vocab_size, tokens.shape, generator=generator), tokens)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches

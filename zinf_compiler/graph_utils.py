@@ -1,0 +1,48 @@
+"""Small FX helpers shared by the passes (graph surgery that keeps ``meta["val"]`` right)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {node: position for position, node in enumerate(graph.nodes)}
+
+
+def first_node(nodes: Iterable[torch.fx.Node], order: dict[torch.fx.Node, int]) -> torch.fx.Node:
+    return min(nodes, key=order.__getitem__)
+
+
+def last_node(nodes: Iterable[torch.fx.Node], order: dict[torch.fx.Node, int]) -> torch.fx.Node:
+    return max(nodes, key=order.__getitem__)
+
+
+def placeholders_by_name(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
+    return {node.name: node for node in graph.nodes if node.op == "placeholder"}
+
+
+def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    return next(node for node in reversed(graph.nodes) if node.op == "output")
+
+
+def _fake_mode(args: tuple) -> Any:
+    for arg in args:
+        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), FakeTensor):
+            return arg.meta["val"].fake_mode
+    return None
+
+
+def call_op(graph: torch.fx.Graph, op: Any, args: tuple, name: str | None = None) -> torch.fx.Node:
+    """Insert ``op(*args)`` at the graph's insertion point, with ``meta["val"]`` from its fake kernel."""
+    node = graph.call_function(op, args)
+    if name:
+        node._rename(name)
+    mode = _fake_mode(args)
+    if mode is not None:
+        fake_args = tuple(arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args)
+        with mode:
+            node.meta["val"] = op(*fake_args)
+    return node

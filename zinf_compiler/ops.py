@@ -1,0 +1,103 @@
+"""The IR vocabulary: ``torch.ops.zinf.*`` custom ops that passes insert into graphs.
+
+Every asynchronous step is a pair: a ``*_start`` op that begins the transfer
+and returns a token (a 0-element tensor that only orders the pair), and a
+``*_wait`` op that consumes the token.  The schedule pass only moves these
+nodes; it never changes what they mean.  Each op calls into the runtime
+store by parameter uid (an int baked into the graph), has a fake kernel for
+tracing, and ops that return nothing are marked side-effecting so that dead
+code elimination keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zinf_compiler.runtime.comm import COMM
+from zinf_compiler.runtime.store import STORE
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=like.device)
+
+
+@torch.library.custom_op("zinf::gather_start", mutates_args=())
+def gather_start(param: torch.Tensor, uid: int) -> torch.Tensor:
+    """Begin assembling the full parameter ``uid`` (``param`` is its storage-less placeholder)."""
+    STORE.gather_start(uid)
+    return _token(param)
+
+
+@gather_start.register_fake
+def _(param, uid):
+    return param.new_empty(0, dtype=torch.uint8)
+
+
+@torch.library.custom_op("zinf::gather_wait", mutates_args=())
+def gather_wait(token: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
+    """Finish the gather started with ``token``: the full parameter, shaped like ``param``."""
+    return STORE.gather_wait(uid)
+
+
+@gather_wait.register_fake
+def _(token, param, uid):
+    return torch.empty_like(param, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("zinf::release", mutates_args=())
+def release(gathered: torch.Tensor, uid: int) -> None:
+    """The last use of a gathered parameter has run: its bytes stop counting as held."""
+    STORE.release(uid)
+
+
+@release.register_fake
+def _(gathered, uid):
+    return None
+
+
+@torch.library.custom_op("zinf::reduce_grad_start", mutates_args=())
+def reduce_grad_start(grad: torch.Tensor, uid: int) -> torch.Tensor:
+    """Begin reducing parameter ``uid``'s gradient over ranks into its owning shard."""
+    STORE.reduce_grad_start(uid, grad)
+    return _token(grad)
+
+
+@reduce_grad_start.register_fake
+def _(grad, uid):
+    return grad.new_empty(0, dtype=torch.uint8)
+
+
+@torch.library.custom_op("zinf::reduce_grad_wait", mutates_args=())
+def reduce_grad_wait(token: torch.Tensor, uid: int) -> None:
+    """Finish the reduce started with ``token``; the result is in the store's gradient shard."""
+    STORE.reduce_grad_wait(uid)
+
+
+@reduce_grad_wait.register_fake
+def _(token, uid):
+    return None
+
+
+@torch.library.custom_op("zinf::all_reduce_grad", mutates_args=())
+def all_reduce_grad(grad: torch.Tensor) -> torch.Tensor:
+    """Stage 0 (plain data parallel): the gradient averaged over ranks."""
+    averaged = grad.clone()
+    COMM.all_reduce_avg(averaged).wait()
+    return averaged
+
+
+@all_reduce_grad.register_fake
+def _(grad):
+    return torch.empty_like(grad)
+
+
+for _op in (release, reduce_grad_wait):
+    torch.fx.has_side_effect(_op._opoverload)
+
+GATHER_START = torch.ops.zinf.gather_start.default
+GATHER_WAIT = torch.ops.zinf.gather_wait.default
+RELEASE = torch.ops.zinf.release.default
+REDUCE_GRAD_START = torch.ops.zinf.reduce_grad_start.default
+REDUCE_GRAD_WAIT = torch.ops.zinf.reduce_grad_wait.default
+ALL_REDUCE_GRAD = torch.ops.zinf.all_reduce_grad.default
+START_TO_WAIT = {GATHER_START: GATHER_WAIT, REDUCE_GRAD_START: REDUCE_GRAD_WAIT}

@@ -1,0 +1,263 @@
+"""Option parsing for the zinf backend.
+
+Options come from ``torch.compile(..., options={...})`` and from ``ZINF_<NAME>``
+environment variables; explicit options win over the environment.  Every value
+is validated here, once, so that passes and the runtime can trust ``ctx.options``.
+An unknown name or a bad value raises :class:`ZinfOptionError` naming the option,
+what was given and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "ZINF_"
+
+
+class ZinfOptionError(ValueError):
+    """An option name or value the backend cannot accept."""
+
+
+_SIZE_SUFFIXES = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(value: Any) -> int:
+    """Parse a byte count: an int, or a string such as ``"256MiB"``, ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise ValueError("a byte count, not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a byte count must be >= 0")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _SIZE_SUFFIXES:
+            return int(float(match.group(1)) * _SIZE_SUFFIXES[match.group(2).lower()])
+    raise ValueError("a byte count such as 268435456, '256MiB' or '2GB'")
+
+
+def _choice(*allowed: Any) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        for candidate in allowed:
+            if value == candidate or (isinstance(value, str) and str(candidate) == value.strip().lower()):
+                return candidate
+        raise ValueError("one of " + ", ".join(repr(a) for a in allowed))
+
+    return parse
+
+
+def _int_at_least(low: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"an integer >= {low}")
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"an integer >= {low}") from None
+        if number != float(value) or number < low:
+            raise ValueError(f"an integer >= {low}")
+        return number
+
+    return parse
+
+
+def _or_keyword(keyword: str, inner: Callable[[Any], Any], hint: str) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if value is None and keyword == "none":
+            return None
+        if isinstance(value, str) and value.strip().lower() == keyword:
+            return None if keyword == "none" else keyword
+        try:
+            return inner(value)
+        except ValueError:
+            raise ValueError(f"{hint} or {keyword!r}") from None
+
+    return parse
+
+
+def _path_or_none(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    raise ValueError("a folder path or None")
+
+
+def _name_list(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError("a list of pass names or a comma-separated string")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    meaning: str
+
+
+OPTION_SPECS: tuple[OptionSpec, ...] = (
+    OptionSpec("stage", 3, _choice(0, 1, 2, 3), "ZeRO stage: shard nothing / optimizer / + grads / + params"),
+    OptionSpec("partition", "allgather", _choice("allgather", "broadcast"),
+               "split every param across ranks (allgather), or one owner rank per param (broadcast)"),
+    OptionSpec("offload_param", "none", _choice("none", "cpu", "nvme"), "where parameter partitions rest"),
+    OptionSpec("offload_optimizer", "none", _choice("none", "cpu", "nvme"),
+               "where fp32 master weights and optimizer states rest"),
+    OptionSpec("offload_activations", "none", _choice("none", "cpu", "nvme"),
+               "where saved activation checkpoints rest"),
+    OptionSpec("activation_checkpointing", "none", _choice("none", "block", "auto"), "recompute policy"),
+    OptionSpec("nvme_path", None, _path_or_none, "folder for swap files (created private)"),
+    OptionSpec("param_dtype", "fp32", _choice("bf16", "fp16", "fp32"),
+               "compute dtype of gathered params and grads; master weights stay fp32"),
+    OptionSpec("tile_threshold", 256 * 1024**2, parse_bytes, "a matmul whose weight exceeds this many bytes is tiled"),
+    OptionSpec("tile_factor", "auto", _or_keyword("auto", _int_at_least(1), "an integer >= 1"),
+               "tiles per oversized matmul"),
+    OptionSpec("prefetch_nc", 3, _int_at_least(0), "ops ahead to start NVMe->CPU reads"),
+    OptionSpec("prefetch_cg", 2, _int_at_least(0), "ops ahead to start CPU->device copies"),
+    OptionSpec("prefetch_gg", 1, _int_at_least(0), "ops ahead to start allgathers"),
+    OptionSpec("max_live_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
+               "cap on gathered params alive at once"),
+    OptionSpec("device_memory_limit", None, _or_keyword("none", parse_bytes, "a byte count"),
+               "device-memory budget the planner must fit"),
+    OptionSpec("aio_block_size", 1024**2, parse_bytes, "NVMe request size"),
+    OptionSpec("aio_queue_depth", 8, _int_at_least(1), "NVMe requests in flight"),
+    OptionSpec("aio_threads", 4, _int_at_least(1), "NVMe worker threads"),
+    OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
+               "size of the reused pinned buffer pool"),
+    OptionSpec("lower", "inductor", _choice("inductor", "eager"),
+               "how rewritten graphs run: Inductor, or the FX graph's own Python code"),
+    OptionSpec("dump_dir", None, _path_or_none, "write inspection dumps here"),
+    OptionSpec("disable_passes", (), _name_list, "pass names to skip, e.g. 'schedule,tile'"),
+)
+
+SPECS_BY_NAME = {spec.name: spec for spec in OPTION_SPECS}
+
+# Values that parse but whose feature this build does not have yet.  Refusing
+# them loudly is better than training with a silently ignored flag.
+NOT_IMPLEMENTED: dict[str, set[Any]] = {
+    "offload_param": {"cpu", "nvme"},
+    "offload_optimizer": {"cpu", "nvme"},
+    "offload_activations": {"cpu", "nvme"},
+    "activation_checkpointing": {"block", "auto"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZinfOptions:
+    """The validated options of one ``torch.compile`` call (see the design's option table)."""
+
+    stage: int
+    partition: str
+    offload_param: str
+    offload_optimizer: str
+    offload_activations: str
+    activation_checkpointing: str
+    nvme_path: str | None
+    param_dtype: str
+    tile_threshold: int
+    tile_factor: int | str
+    prefetch_nc: int
+    prefetch_cg: int
+    prefetch_gg: int
+    max_live_bytes: int | str
+    device_memory_limit: int | None
+    aio_block_size: int
+    aio_queue_depth: int
+    aio_threads: int
+    pinned_bytes: int | str
+    lower: str
+    dump_dir: str | None
+    disable_passes: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _valid_names() -> str:
+    return ", ".join(spec.name for spec in OPTION_SPECS)
+
+
+def parse_options(
+    options: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    known_passes: tuple[str, ...] | None = None,
+) -> ZinfOptions:
+    """Merge ``options`` over ``ZINF_*`` environment variables and validate every value.
+
+    Raises :class:`ZinfOptionError` for an unknown option name (listing the valid
+    ones), a value that does not parse (saying what is accepted, and whether it
+    came from the environment), a value whose feature is not built yet, an
+    unknown pass in ``disable_passes`` and contradictory combinations.
+    """
+    environ = os.environ if environ is None else environ
+    options = dict(options or {})
+    for name in options:
+        if name not in SPECS_BY_NAME:
+            raise ZinfOptionError(f"unknown zinf option {name!r}; valid options are: {_valid_names()}")
+    for key in environ:
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() not in SPECS_BY_NAME:
+            raise ZinfOptionError(
+                f"unknown zinf environment variable {key}; valid names are ZINF_<NAME> for NAME in: {_valid_names()}"
+            )
+
+    values: dict[str, Any] = {}
+    for spec in OPTION_SPECS:
+        env_key = ENV_PREFIX + spec.name.upper()
+        if spec.name in options:
+            raw, origin = options[spec.name], f"option {spec.name!r}"
+        elif env_key in environ:
+            raw, origin = environ[env_key], f"environment variable {env_key}"
+        else:
+            values[spec.name] = spec.default
+            continue
+        try:
+            values[spec.name] = spec.parse(raw)
+        except ValueError as err:
+            raise ZinfOptionError(f"bad value {raw!r} for {origin}: expected {err}") from None
+
+    for name, unbuilt in NOT_IMPLEMENTED.items():
+        if values[name] in unbuilt:
+            raise ZinfOptionError(
+                f"option {name}={values[name]!r} is not implemented in this build of zinf; "
+                f"use {name}={SPECS_BY_NAME[name].default!r}"
+            )
+    if known_passes is not None:
+        for pass_name in values["disable_passes"]:
+            if pass_name not in known_passes:
+                raise ZinfOptionError(
+                    f"disable_passes names unknown pass {pass_name!r}; passes are: {', '.join(known_passes)}"
+                )
+    if "nvme" in (values["offload_param"], values["offload_optimizer"], values["offload_activations"]) and not values["nvme_path"]:
+        raise ZinfOptionError("an 'nvme' offload needs nvme_path: set options={'nvme_path': '/path/to/fast/disk'}")
+    return ZinfOptions(**values)
+
+
+def describe_options() -> str:
+    """The option table as text (for ``--help`` style output and errors)."""
+    width = max(len(spec.name) for spec in OPTION_SPECS)
+    return "\n".join(f"{spec.name:<{width}}  default={spec.default!r:<12} {spec.meaning}" for spec in OPTION_SPECS)
