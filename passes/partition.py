@@ -13,7 +13,8 @@
   (``zinf.all_reduce_grad``), plain data parallelism.
 
 Reads ``ctx.params`` (placeholder -> parameter) and ``ctx.captured.param_uids``;
-records ``ctx.facts["gathered"]`` and ``ctx.facts["reduced"]`` (uids).  The
+records ``ctx.facts["gathered"]`` (uids) and ``ctx.facts["reduced"]`` (uids; Dynamo
+input positions at stage 0, where nothing is adopted).  The
 schedule pass later moves every start earlier and every wait later.
 """
 
@@ -78,20 +79,21 @@ def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
         if index < offset or not isinstance(grad, torch.fx.Node):
             continue
         info = inputs[index - offset]
-        if info.kind != "param" or info.position not in ctx.captured.param_uids:
+        if info.kind != "param":
             continue
-        uid = ctx.captured.param_uids[info.position]
         # As soon as the gradient exists (the schedule pass may push the wait later).
         where = graph.inserting_before(output) if grad.op == "placeholder" else graph.inserting_after(grad)
+        if ctx.options.stage == 0:
+            with where:
+                grads[index] = call_op(graph, ops.ALL_REDUCE_GRAD, (grad,), name=f"averaged_grad_{index}")
+            reduced.append(info.position)
+            continue
+        uid = ctx.captured.param_uids[info.position]
         with where:
-            if ctx.options.stage == 0:
-                grads[index] = call_op(graph, ops.ALL_REDUCE_GRAD, (grad,), name=f"averaged_grad_{uid}")
-            else:
-                token = call_op(graph, ops.REDUCE_GRAD_START, (grad, uid), name=f"rs_start_{uid}")
-        if ctx.options.stage != 0:
-            with graph.inserting_after(token):
-                call_op(graph, ops.REDUCE_GRAD_WAIT, (token, uid), name=f"rs_wait_{uid}")
-            grads[index] = None
+            token = call_op(graph, ops.REDUCE_GRAD_START, (grad, uid), name=f"rs_start_{uid}")
+        with graph.inserting_after(token):
+            call_op(graph, ops.REDUCE_GRAD_WAIT, (token, uid), name=f"rs_wait_{uid}")
+        grads[index] = None
         reduced.append(uid)
     output.args = (tuple(grads),) + tuple(output.args[1:])
     return reduced

@@ -286,10 +286,17 @@ class ParamStore:
         self.peak_bytes = sum(self.held.values())
         self.peak_transient_bytes = self.held["transient"]
 
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors the store itself holds, by kind (for cross-checking the accounting)."""
+    def held_tensors(self, params: Iterable[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
+        """The tensors the store holds for ``params`` (default: all), by kind.
+
+        For cross-checking the accounting against real storage.
+        """
+        if params is None:
+            records = list(self._records.values())
+        else:
+            records = [r for r in (self.lookup(p) for p in params) if r is not None]
         params, grads = [], []
-        for record in self._records.values():
+        for record in records:
             params.append(record.shard)
             if record.stage != 3:
                 params.append(record.param.data)

@@ -1,0 +1,55 @@
+"""Run a worker function on N local gloo ranks (separate processes) and collect its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600) -> list:
+    """Run ``python tests/<worker>.py`` as ``world_size`` ranks; return each rank's JSON result."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        procs = []
+        for rank in range(world_size):
+            env = dict(
+                os.environ,
+                RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                ZINFTEST_ARGS=json.dumps(args), ZINFTEST_OUT=os.path.join(folder, f"rank{rank}.json"),
+                OMP_NUM_THREADS="1",
+                TMPDIR=folder,
+            )
+            log = open(os.path.join(folder, f"rank{rank}.log"), "w")
+            procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, worker + ".py")], env=env,
+                                           stdout=log, stderr=subprocess.STDOUT), log))
+        failures = []
+        for rank, (proc, log) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for other, _ in procs:
+                    other.kill()
+                code = "timeout"
+            log.close()
+            if code != 0:
+                failures.append((rank, code))
+        if failures:
+            logs = "\n".join(
+                f"--- rank {rank} (exit {code}) ---\n" + open(os.path.join(folder, f"rank{rank}.log")).read()[-4000:]
+                for rank, code in failures
+            )
+            raise AssertionError(f"ranks failed: {failures}\n{logs}")
+        return [json.load(open(os.path.join(folder, f"rank{rank}.json"))) for rank in range(world_size)]

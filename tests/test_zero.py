@@ -1,0 +1,54 @@
+"""Issue 3 acceptance 1: ZeRO stages 0-3, both partition modes, at world sizes 1, 2 and 4,
+train like eager single-process AdamW on the concatenated batch (clipping and an LR
+schedule on)."""
+
+import pytest
+
+from multirank import run_ranks
+
+MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+CONFIGS = [{"stage": 0}] + [{"stage": s, "partition": p} for s in (1, 2, 3) for p in ("allgather", "broadcast")]
+
+
+def _check(results, world):
+    rank0 = results[0]
+    for config_result in rank0:
+        label = f"world {world} {config_result['config']}"
+        for eager, ours in zip(config_result["eager_losses"], config_result["zinf_losses"]):
+            assert abs(eager - ours) <= 1e-5 * abs(eager), f"{label}: losses {config_result}"
+        for eager, ours in zip(config_result["ref_norms"], config_result["norms"]):
+            assert abs(eager - ours) <= 1e-4 * eager, f"{label}: grad norms {eager} vs {ours}"
+        assert min(config_result["ref_norms"]) > 0.5, "clipping must actually clip in this test"
+        worst = max(config_result["param_errors"], key=config_result["param_errors"].get)
+        assert config_result["param_errors"][worst] <= 1e-4, f"{label}: {worst} {config_result['param_errors'][worst]}"
+    for rank_results in results:
+        for config_result in rank_results:
+            if config_result["config"]["stage"] >= 2:
+                assert config_result["grads_are_none"], "stage >= 2 keeps gradients in the store, not param.grad"
+
+
+def _check_memory_report(results, world):
+    """Issue 3 acceptance 2: stage 3 holds 1/N of every kind of state on each rank."""
+    for rank_results in results:
+        for config_result in rank_results:
+            if config_result["config"] != {"stage": 3, "partition": "allgather"}:
+                continue
+            numels = config_result["param_numels"]
+            total = 4 * sum(numels.values())
+            trainable = 4 * sum(numels[name] for name in config_result["trainable"])
+            padding = 4 * world * len(numels)  # at most world-1 elements per parameter, each rank
+            device, held = config_result["report"]["device"], config_result["held"]
+            assert total / world <= device["params"] <= total / world * 1.01 + padding, (device, total)
+            assert trainable / world <= device["grads"] <= trainable / world * 1.01 + padding, (device, trainable)
+            # AdamW: exp_avg + exp_avg_sq per element, plus a scalar step per parameter.
+            assert 2 * trainable / world <= device["optimizer"] <= 2 * trainable / world * 1.01 + 2 * padding
+            # The report agrees with the storage the store and optimizer really hold.
+            assert held["params"] == device["params"] and held["grads"] == device["grads"], (held, device)
+            assert held["optimizer"] == device["optimizer"], (held, device)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_zero_stages_match_eager(world):
+    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": CONFIGS})
+    _check(results, world)
+    _check_memory_report(results, world)

@@ -1,0 +1,100 @@
+"""One rank of the ZeRO equivalence test (launched by tests/multirank.py).
+
+For each configuration: train the GPT under zinf on this rank's slice of the
+batch; rank 0 also trains eager PyTorch on the whole batch and compares.
+Clipping and an LR schedule are on in every configuration.
+"""
+
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import zinf_compiler as zinf
+from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+from zinf_compiler.runtime.comm import COMM
+from zinf_compiler.runtime.store import STORE
+
+ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, fused=True)
+MAX_NORM = 0.5
+
+
+def schedule(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    model = copy.deepcopy(reference)
+    options = {"lower": "eager", **config}
+    compiled = torch.compile(model, backend="zinf", options=options)
+    opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
+    zinf_losses, eager_losses, norms, ref_norms = [], [], [], []
+    COMM.reset_traffic()
+    for idx, targets in synthetic_batches(cfg, batch * world, steps):
+        mine = slice(rank * batch, (rank + 1) * batch)
+        loss = compiled(idx[mine], targets[mine])
+        loss.backward()
+        norms.append(opt.clip_grad_norm_(MAX_NORM).item())
+        opt.step()
+        # Accounting while gradients and optimizer state are both alive,
+        # next to the storage the store and the optimizer actually hold.
+        report = zinf.memory_report(compiled)
+        held = {kind: sum(t.untyped_storage().nbytes() for t in tensors)
+                for kind, tensors in STORE.held_tensors(model.parameters()).items()}
+        held["optimizer"] = sum(t.untyped_storage().nbytes() for state in opt._inner.state.values()
+                                for t in state.values() if isinstance(t, torch.Tensor))
+        opt.zero_grad()
+        sched.step()
+        mean_loss = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        zinf_losses.append(mean_loss.item())
+        if rank == 0:
+            ref_loss = reference(idx, targets)
+            ref_loss.backward()
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item())
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            eager_losses.append(ref_loss.item())
+    grads_are_none = all(p.grad is None for p in model.parameters())
+    state = zinf.full_state_dict(compiled)
+    param_numels = {name: p.numel() for name, p in model.named_parameters()}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    result = {"config": config, "zinf_losses": zinf_losses, "norms": norms, "report": report, "held": held,
+              "param_numels": param_numels, "trainable": sorted(trainable),
+              "grads_are_none": grads_are_none, "traffic": dict(COMM.traffic_bytes)}
+    if rank == 0:
+        errors = {}
+        for name, expected in reference.state_dict().items():
+            if expected.is_floating_point():
+                scale = expected.abs().max().clamp_min(1e-12)
+                errors[name] = ((expected - state[name]).abs().max() / scale).item()
+        result.update(eager_losses=eager_losses, ref_norms=ref_norms, param_errors=errors)
+    return result
+
+
+def main() -> None:
+    args = json.loads(os.environ["ZINFTEST_ARGS"])
+    world = int(os.environ["WORLD_SIZE"])
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = GPTConfig(**args["model"], frozen_scale=True)
+    results = [train(config, cfg, world, rank, args["steps"], args["batch"]) for config in args["configs"]]
+    with open(os.environ["ZINFTEST_OUT"], "w") as handle:
+        json.dump(results, handle)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
