@@ -89,6 +89,7 @@ class ParamStore:
         self.held = {"params": 0, "grads": 0, "optimizer": 0, "transient": 0}
         self.peak_bytes = 0
         self.peak_transient_bytes = 0
+        self.fp16_scaler = Fp16GradScaler()
 
     # --- adoption -------------------------------------------------------------
 
@@ -199,6 +200,8 @@ class ParamStore:
         """Start averaging ``grad`` over ranks into this rank's slice (or to the owner)."""
         record = self._records[uid]
         flat_grad = grad.detach().reshape(-1)
+        if record.compute_dtype == torch.float16:
+            flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
         if record.partition == "allgather":
             staging = torch.zeros(record.gathered_numel, dtype=record.compute_dtype, device=grad.device)
             staging[: record.numel].copy_(flat_grad)
@@ -223,6 +226,9 @@ class ParamStore:
             if record.rank != record.owner:
                 return
             out = out / record.world_size
+        if record.compute_dtype == torch.float16:
+            out = out.to(torch.float32) / self.fp16_scaler.scale
+            self.fp16_scaler.check(out)
         if record.grad_shard is None:
             record.grad_shard = out.to(torch.float32, copy=True)
             self.held["grads"] += _nbytes(record.grad_shard)
@@ -303,6 +309,43 @@ class ParamStore:
             if record.grad_shard is not None:
                 grads.append(record.grad_shard)
         return {"params": params, "grads": grads}
+
+
+class Fp16GradScaler:
+    """Dynamic scaling of gradients on their way through fp16 (``param_dtype="fp16"``).
+
+    The graph computes in the model's own dtype; gradients become fp16 only
+    to be reduced.  They are multiplied by ``scale`` before that cast and
+    divided after it, so that small values survive.  An inf or nan seen on
+    any rank skips the optimizer step and halves the scale; ``growth_interval``
+    good steps in a row double it (the policy of ``torch.amp.GradScaler``).
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.found_inf = False
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def check(self, reduced_grad: torch.Tensor) -> None:
+        if not self.found_inf and not bool(torch.isfinite(reduced_grad).all()):
+            self.found_inf = True
+
+    def should_skip_step(self, comm: Comm) -> bool:
+        """Agree over ranks whether any saw an overflow, update the scale, reset the flag."""
+        flag = torch.tensor(1.0 if self.found_inf else 0.0)
+        comm.all_reduce_sum(flag)
+        self.found_inf = False
+        if flag.item() > 0:
+            self.scale /= 2.0
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return True
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+        return False
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

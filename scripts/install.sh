@@ -2,11 +2,11 @@
 # Make a virtual environment in .venv with the pinned torch and zinf installed.
 # Sourced by run_example.sh and run_tests.sh; safe to run again (fast when done).
 #   TORCH_VERSION   torch to pin (default 2.13.0, the CPU wheel); pyproject keeps a range
-#   ZINF_VENV       folder of the environment (default .venv in the repo)
-#   ZINF_EXTRAS     pip extras to install (default: none; run_tests.sh asks for dev)
+#   VENV_DIR       folder of the environment (default .venv in the repo)
+#   PIP_EXTRAS     pip extras to install (default: none; run_tests.sh asks for dev)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${ZINF_VENV:-$repo/.venv}"
+venv="${VENV_DIR:-$repo/.venv}"
 torch_version="${TORCH_VERSION:-2.13.0}"
 python_bin="${PYTHON:-python3}"
 
@@ -20,7 +20,7 @@ if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     "$venv/bin/pip" install "${pip_quiet[@]}" "torch==$torch_version"
 fi
 spec="$repo"
-if [ -n "${ZINF_EXTRAS:-}" ]; then spec="$repo[${ZINF_EXTRAS}]"; fi
+if [ -n "${PIP_EXTRAS:-}" ]; then spec="$repo[${PIP_EXTRAS}]"; fi
 "$venv/bin/pip" install "${pip_quiet[@]}" -e "$spec"
-ZINF_PYTHON="$venv/bin/python"
-export ZINF_PYTHON
+VENV_PYTHON="$venv/bin/python"
+export VENV_PYTHON

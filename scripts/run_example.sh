@@ -5,4 +5,4 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/install.sh"
 cd "$repo"
-exec "$ZINF_PYTHON" examples/train_gpt.py "$@"
+exec "$VENV_PYTHON" examples/train_gpt.py "$@"

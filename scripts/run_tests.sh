@@ -3,9 +3,9 @@
 # Extra arguments go to pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ZINF_EXTRAS=dev source "$repo/scripts/install.sh"
+PIP_EXTRAS=dev source "$repo/scripts/install.sh"
 cd "$repo"
 # Crashed spawned workers leave pytorch-errorfile-* in $TMPDIR: keep them out of /tmp.
 export TMPDIR="$(mktemp -d)"
 trap 'rm -rf "$TMPDIR"' EXIT
-"$ZINF_PYTHON" -m pytest -q "$@"
+"$VENV_PYTHON" -m pytest -q "$@"

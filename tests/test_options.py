@@ -19,9 +19,10 @@ def test_unknown_option_lists_valid_names():
     assert "'stgae'" in message and "stage" in message and "offload_param" in message
 
 
-def test_unknown_environment_variable_is_named():
-    with pytest.raises(ZinfOptionError, match="ZINF_PREFETCH"):
-        parse_options({}, environ={"ZINF_PREFETCH": "2"})
+def test_unknown_environment_variable_is_named_in_a_warning():
+    with pytest.warns(UserWarning, match="ZINF_PREFETCH.*prefetch_nc"):
+        options = parse_options({}, environ={"ZINF_PREFETCH": "2"})
+    assert options.prefetch_nc == 3
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._bind()
         self._reduce_stage1_grads()
+        if any(r.compute_dtype == torch.float16 for r in self._records()):
+            if STORE.fp16_scaler.should_skip_step(STORE.comm):
+                # An fp16 gradient overflowed on some rank: no update this step.
+                STORE.drop_grads(self._records())
+                return loss
         for slot in self._all_slots():
             if slot.master is not slot.param:
                 slot.master.grad = slot.grad

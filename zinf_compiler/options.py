@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from typing import Any, Callable, Mapping
 
 ENV_PREFIX = "ZINF_"
@@ -210,7 +211,7 @@ def parse_options(
     """Merge ``options`` over ``ZINF_*`` environment variables and validate every value.
 
     Raises :class:`ZinfOptionError` for an unknown option name (listing the valid
-    ones), a value that does not parse (saying what is accepted, and whether it
+    ones; an unknown ``ZINF_*`` variable only warns), a value that does not parse (saying what is accepted, and whether it
     came from the environment), a value whose feature is not built yet, an
     unknown pass in ``disable_passes`` and contradictory combinations.
     """
@@ -221,8 +222,11 @@ def parse_options(
             raise ZinfOptionError(f"unknown zinf option {name!r}; valid options are: {_valid_names()}")
     for key in environ:
         if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() not in SPECS_BY_NAME:
-            raise ZinfOptionError(
-                f"unknown zinf environment variable {key}; valid names are ZINF_<NAME> for NAME in: {_valid_names()}"
+            # A warning, not an error: other tools may own ZINF_* names too.
+            warnings.warn(
+                f"ignoring environment variable {key}: not a zinf option; zinf reads ZINF_<NAME> "
+                f"for NAME in: {_valid_names()}",
+                stacklevel=2,
             )
 
     values: dict[str, Any] = {}
