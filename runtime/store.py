@@ -332,9 +332,12 @@ class Fp16GradScaler:
         if not self.found_inf and not bool(torch.isfinite(reduced_grad).all()):
             self.found_inf = True
 
-    def should_skip_step(self, comm: Comm) -> bool:
-        """Agree over ranks whether any saw an overflow, update the scale, reset the flag."""
-        flag = torch.tensor(1.0 if self.found_inf else 0.0)
+    def should_skip_step(self, comm: Comm, device: torch.device) -> bool:
+        """Agree over ranks whether any saw an overflow, update the scale, reset the flag.
+
+        ``device``: where the flag is reduced (NCCL reduces device tensors only).
+        """
+        flag = torch.tensor(1.0 if self.found_inf else 0.0, device=device)
         comm.all_reduce_sum(flag)
         self.found_inf = False
         if flag.item() > 0:

@@ -109,8 +109,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._bind()
         self._reduce_stage1_grads()
-        if any(r.compute_dtype == torch.float16 for r in self._records()):
-            if STORE.fp16_scaler.should_skip_step(STORE.comm):
+        fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
+        if fp16_records:
+            if STORE.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].shard.device):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 STORE.drop_grads(self._records())
                 return loss
@@ -144,15 +145,17 @@ class ZinfOptimizer(torch.optim.Optimizer):
             raise ValueError("zinf clip_grad_norm_ supports norm_type=2.0 only")
         self._bind()
         self._reduce_stage1_grads()
-        sharded_sq = torch.zeros((), dtype=torch.float64)
-        replicated_sq = torch.zeros((), dtype=torch.float64)
+        device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
+        # float64 sums; on the parameters' device, where NCCL can reduce them.
+        sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
+        replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
         grads = []
         for slot in self._all_slots():
             grad = slot.grad
             if grad is None:
                 continue
             grads.append(grad)
-            squared = grad.detach().double().pow(2).sum()
+            squared = grad.detach().double().pow(2).sum().to(device)
             if slot.record is not None and slot.record.stage > 0:
                 sharded_sq += squared  # each element lives on exactly one rank
             else:
