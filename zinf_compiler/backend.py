@@ -16,6 +16,7 @@ runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
@@ -29,12 +30,21 @@ from .dump import GraphDumper
 from .options import ZinfOptions, parse_options
 from .pipeline import run_passes
 
+log = logging.getLogger("zinf")
+
 
 def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Callable:
     """The backend entry point (registered as ``"zinf"``)."""
     from zinf_compiler.passes import pass_names
 
     parsed = parse_options(options, known_passes=pass_names())
+    if parsed.stage == 3 and not torch._dynamo.config.fail_on_recompile_limit_hit:
+        # Past the recompile limit Dynamo would run the frame eagerly, and
+        # eager code cannot read stage-3 parameters (they hold no memory):
+        # ask Dynamo for an error naming the limit instead.
+        log.warning("zinf: stage 3 sets torch._dynamo.config.fail_on_recompile_limit_hit = True "
+                    "(an eager fallback cannot run on sharded parameters)")
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     return compile_captured(gm, example_inputs, parsed)
 
 

@@ -1,0 +1,95 @@
+"""Step time of the example GPT: eager PyTorch vs torch.compile (Inductor) vs zinf, in one process.
+
+    python benchmarks/step_time.py [--rounds 5 --steps 10 ...]
+
+Each variant trains its own copy of the same model on the same batches
+(forward, backward, AdamW step, zero_grad). After a warm-up that compiles,
+the variants take turns in rounds so machine noise falls on all of them.
+Prints median step times and ratios. zinf runs without sharding (stage 0,
+world size 1) by default, so the ratio to Inductor is the cost of zinf's
+capture, passes and runtime hooks; ``--stage 3`` measures ZeRO-3 at world 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+
+import torch  # noqa: E402
+
+import zinf_compiler as zinf  # noqa: E402
+from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--stage", type=int, default=0, help="zinf's ZeRO stage (world size 1)")
+    args = parser.parse_args()
+    print("command: python " + " ".join(sys.argv))
+    print(f"torch {torch.__version__}, {os.cpu_count()} cpus, threads {torch.get_num_threads()}")
+
+    cfg = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    print(f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M params, batch {args.batch_size}x{args.block_size}")
+    batches = synthetic_batches(cfg, args.batch_size, args.steps)
+
+    variants = {}
+    eager_model = copy.deepcopy(base)
+    variants["eager"] = (eager_model, torch.optim.AdamW(eager_model.parameters(), lr=1e-3, fused=True))
+    inductor_model = copy.deepcopy(base)
+    variants["inductor"] = (torch.compile(inductor_model),
+                            torch.optim.AdamW(inductor_model.parameters(), lr=1e-3, fused=True))
+    zinf_model = copy.deepcopy(base)
+    variants[f"zinf (stage {args.stage})"] = (
+        torch.compile(zinf_model, backend="zinf", options={"stage": args.stage, "lower": "inductor"}),
+        zinf.optim.AdamW(zinf_model.parameters(), lr=1e-3),
+    )
+
+    def run_steps(model, opt) -> list[float]:
+        times = []
+        for idx, targets in batches:
+            started = time.perf_counter()
+            loss = model(idx, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - started)
+        return times
+
+    for name, (model, opt) in variants.items():
+        started = time.perf_counter()
+        run_steps(model, opt)
+        print(f"warm-up {name}: {time.perf_counter() - started:.1f}s (compile included)", flush=True)
+
+    samples = {name: [] for name in variants}
+    for round_index in range(args.rounds):
+        for name, (model, opt) in variants.items():
+            samples[name].extend(run_steps(model, opt))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+
+    medians = {name: statistics.median(times) * 1000 for name, times in samples.items()}
+    print(f"\n| variant | median step (ms) | vs eager | vs inductor |\n|---|---|---|---|")
+    for name, median in medians.items():
+        print(f"| {name} | {median:.1f} | {median / medians['eager']:.3f} | {median / medians['inductor']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
