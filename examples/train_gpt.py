@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                       # CPU, a few minutes
     python examples/train_gpt.py --steps 50 --lower eager
+    python examples/train_gpt.py --offload cpu         # state in CPU memory instead of NVMe swap files
     torchrun --nproc-per-node 2 examples/train_gpt.py  # 2 ranks, gloo on CPU
 
 The text is generated here (seeded sentences from a fixed vocabulary), so the
@@ -77,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3")
     parser.add_argument("--lower", choices=["inductor", "eager"], default="inductor")
-    parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
-                        help="where parameters and optimizer state rest")
-    parser.add_argument("--nvme-path", default=None)
+    parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="nvme",
+                        help="where parameter shards and optimizer state rest (default: NVMe swap files)")
+    parser.add_argument("--nvme-path", default=".zinf_swap",
+                        help="folder for swap files (created; zinf makes a private subfolder it removes at exit)")
     parser.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--dump-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -100,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     options = {"stage": args.stage, "lower": args.lower, "param_dtype": args.param_dtype,
                "offload_param": args.offload, "offload_optimizer": args.offload}
-    if args.nvme_path:
+    if args.offload == "nvme":
+        try:
+            os.makedirs(args.nvme_path, exist_ok=True)
+        except OSError as err:
+            print(f"error: cannot use --nvme-path {args.nvme_path!r}: {err}", file=sys.stderr)
+            return 2
         options["nvme_path"] = args.nvme_path
     if args.dump_dir:
         options["dump_dir"] = args.dump_dir
@@ -146,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stdout.isatty():
         say()
     report = zinf.memory_report(compiled)
-    say(f"memory on this rank: params {report['device']['params']:,} B, optimizer {report['device']['optimizer']:,} B, "
-        f"runtime peak {report['peak']['device']:,} B")
+    for tier in ("device", "cpu", "nvme"):
+        held = report[tier]
+        say(f"{tier:>6} tier on this rank: params {held['params']:,} B, grads {held['grads']:,} B, "
+            f"optimizer {held['optimizer']:,} B")
+    say(f"runtime peak: device {report['peak']['device']:,} B, cpu {report['peak']['cpu']:,} B "
+        f"(of which pinned pool {report['buffers']['cpu']:,} B)")
     # Every rank decodes: at stages 2-3 each forward gathers parameters collectively.
     text = sample(compiled, b"The model ", 60, args.block_size, device)
     say(f"sample: {text.decode(errors='replace')!r}")

@@ -6,9 +6,9 @@ and ``run(gm, ctx) -> gm``.  A pass may only rewrite the graph it is given and
 record facts in ``ctx.facts``; it never touches files, threads or the runtime.
 """
 
-from . import partition
+from . import offload, partition
 
-PIPELINE: tuple = (partition,)
+PIPELINE: tuple = (partition, offload)
 
 
 def pass_names() -> tuple[str, ...]:

@@ -22,7 +22,14 @@ from typing import Iterable
 
 import torch
 
+from .aio import AioEngine
 from .comm import COMM, Comm
+from .nvme_adam import SUB_GROUP_NUMEL, write_initial_master
+from .pinned import PinnedPool
+
+# A transfer waiting this long for pinned memory means the pool is too small
+# for what is in flight: an error naming pinned_bytes beats a hang.
+POOL_WAIT_SECONDS = 120.0
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,10 +51,22 @@ class ParamRecord:
     world_size: int
     rank: int
     owner: int | None  # partition="broadcast": the rank holding the whole parameter
-    shard: torch.Tensor  # this rank's flat slice (empty where it owns nothing)
-    grad_shard: torch.Tensor | None = None  # fp32, accumulated over backward passes
+    local_numel: int  # elements of this rank's slice (0 where it owns nothing)
+    param_tier: str  # "device" | "cpu" | "nvme": where the shard rests between uses
+    opt_tier: str  # "device" | "cpu" | "nvme": where the fp32 master and optimizer state rest
+    # The resting shard in compute dtype: on the device or on the CPU; for the
+    # nvme tier an empty tensor (the data is in the swap file ``param.<uid>``).
+    shard: torch.Tensor
+    # fp32 master of this rank's slice for device/cpu optimizer tiers (the
+    # shard itself when they coincide); None for the nvme tier (swap files).
+    master: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None  # fp32 on the optimizer's tier (CPU for nvme), accumulated
+    swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
     _gathers: list = dataclasses.field(default_factory=list)  # in-flight (work, buffer)
     _reduces: list = dataclasses.field(default_factory=list)  # in-flight (work, out, staging)
+    _reads: list = dataclasses.field(default_factory=list)  # in-flight nc: (request, pinned buffer)
+    _copies: list = dataclasses.field(default_factory=list)  # in-flight cg: (device shard, pinned buffer, event)
+    _staged: list = dataclasses.field(default_factory=list)  # fetched shards on the device, for gather_start
 
     @property
     def shape(self) -> torch.Size:
@@ -73,7 +92,20 @@ class ParamRecord:
     @property
     def owns_state(self) -> bool:
         """Whether this rank holds a slice that the optimizer must step."""
-        return self.shard.numel() > 0
+        return self.local_numel > 0
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (where gathered parameters live)."""
+        return self.param.device
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.local_numel * self.compute_dtype.itemsize
+
+    @property
+    def param_key(self) -> str:
+        return f"param.{self.uid}"
 
 
 class ParamStore:
@@ -84,26 +116,94 @@ class ParamStore:
         self._uids = itertools.count()
         self._lock = threading.Lock()
         self._owned_bytes_by_rank: dict[int, int] = {}
-        # Bytes held on the compute device by kind; transient = gathered
-        # parameters and in-flight reduce buffers.
-        self.held = {"params": 0, "grads": 0, "optimizer": 0, "transient": 0}
-        self.peak_bytes = 0
-        self.peak_transient_bytes = 0
         self.fp16_scaler = Fp16GradScaler()
+        # NVMe swap and the pinned pool: made on first need (see configure_offload).
+        self._engines: dict[str, AioEngine] = {}
+        self.pinned: PinnedPool | None = None
+        self._offload_settings: dict = {}
+        # Bytes held per tier: resting state (shards, grads, optimizer state)
+        # and transient (gathered parameters, in-flight buffers), with peaks.
+        self.resting = {"device": 0, "cpu": 0}
+        self.transient = {"device": 0, "cpu": 0}
+        self.peak = {"device": 0, "cpu": 0}
+        self.peak_transient = {"device": 0, "cpu": 0}
+
+    # --- offload resources -------------------------------------------------------
+
+    def configure_offload(self, nvme_path: str | None, pinned_bytes, aio_block_size: int, aio_queue_depth: int,
+                          aio_threads: int) -> None:
+        """Settings for the parameters adopted next: their swap folder and the pinned pool."""
+        if self.pinned is not None and pinned_bytes not in ("auto", self.pinned.capacity_bytes):
+            raise ZinfStoreError(
+                f"pinned_bytes={pinned_bytes} asked after the pinned pool was made with "
+                f"{self.pinned.capacity_bytes:,} bytes; use one pinned_bytes per process"
+            )
+        self._offload_settings = dict(nvme_path=nvme_path, pinned_bytes=pinned_bytes, aio_block_size=aio_block_size,
+                                      aio_queue_depth=aio_queue_depth, aio_threads=aio_threads)
+
+    def _engine_for(self, nvme_path: str) -> AioEngine:
+        """One swap engine per nvme_path (two models may swap to different disks)."""
+        engine = self._engines.get(nvme_path)
+        if engine is None:
+            settings = self._offload_settings
+            engine = self._engines[nvme_path] = AioEngine(
+                nvme_path, block_size=settings["aio_block_size"], queue_depth=settings["aio_queue_depth"],
+                threads=settings["aio_threads"])
+        return engine
+
+    def engines(self) -> list[AioEngine]:
+        return list(self._engines.values())
+
+    def _pool(self, at_least: int) -> PinnedPool:
+        if self.pinned is None:
+            wanted = self._offload_settings.get("pinned_bytes", "auto")
+            if wanted == "auto":
+                # Two of the largest fp32 slices (a fetch in flight while the
+                # optimizer stages one) plus the optimizer's nine sub-group
+                # buffers (three groups of master and two moments in flight).
+                largest = max([r.local_numel * 4 for r in self._records.values()] + [at_least])
+                group = min(largest, SUB_GROUP_NUMEL * 4)
+                wanted = max(64 << 20, 2 * largest + 9 * group)
+            self.pinned = PinnedPool(int(wanted))
+            self._add_resting("cpu", self.pinned.capacity_bytes)
+        return self.pinned
+
+    def _write_swap(self, engine: AioEngine, key: str, tensor: torch.Tensor) -> None:
+        """Write a flat tensor to the swap file ``key`` through the pinned pool (synchronous)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS) as staging:
+            staging.tensor(tensor.dtype, tensor.numel()).copy_(tensor)
+            engine.write(key, staging, nbytes).wait()
+
+    def _read_swap(self, engine: AioEngine, key: str, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        """Read the swap file ``key`` into a new tensor on ``device`` (synchronous)."""
+        nbytes = numel * dtype.itemsize
+        out = torch.empty(numel, dtype=dtype, device=device)
+        with self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS) as staging:
+            engine.read(key, staging, nbytes).wait()
+            out.copy_(staging.tensor(dtype, numel))
+        return out
 
     # --- adoption -------------------------------------------------------------
 
-    def adopt(self, param: torch.nn.Parameter, name: str, stage: int, partition: str, param_dtype: str) -> int:
-        """Shard ``param`` (once; a tied parameter is the same tensor) and return its uid."""
+    def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
+              param_tier: str = "device", opt_tier: str = "device") -> int:
+        """Shard ``param`` (once; a tied parameter is the same tensor) and return its uid.
+
+        ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
+        the optimizer state, rest: "device", "cpu" or "nvme".
+        """
+        settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier)
         with self._lock:
             uid = self._uid_by_param.get(id(param))
             if uid is not None:
                 record = self._records[uid]
-                if (record.stage, record.partition, record.compute_dtype) != (stage, partition, DTYPES[param_dtype]):
+                adopted = (record.stage, record.partition, record.compute_dtype, record.param_tier, record.opt_tier)
+                if adopted != settings:
                     raise ZinfStoreError(
-                        f"parameter {name} was adopted with stage={record.stage}, partition={record.partition!r}, "
-                        f"param_dtype={record.compute_dtype}; every compiled graph of a model must use the same "
-                        f"stage, partition and param_dtype options"
+                        f"parameter {name} was adopted with (stage, partition, param_dtype, param tier, optimizer "
+                        f"tier) = {adopted}, now asked for {settings}; every compiled graph of a model must use the "
+                        f"same stage, partition, param_dtype and offload options"
                     )
                 return uid
             if not param.is_contiguous() or param.untyped_storage().nbytes() != param.numel() * param.element_size():
@@ -122,22 +222,55 @@ class ParamStore:
             if partition == "broadcast":
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + flat.numel()
-                shard = flat.to(compute_dtype, copy=True) if rank == owner else flat.new_empty(0, dtype=compute_dtype)
+                local = flat.to(torch.float32, copy=True) if rank == owner else flat.new_empty(0, dtype=torch.float32)
             else:
                 shard_numel = -(-flat.numel() // world_size)
-                shard = torch.zeros(shard_numel, dtype=compute_dtype, device=flat.device)
+                local = torch.zeros(shard_numel, dtype=torch.float32, device=flat.device)
                 start = rank * shard_numel
                 stop = min(start + shard_numel, flat.numel())
                 if stop > start:
-                    shard[: stop - start].copy_(flat[start:stop])
+                    local[: stop - start].copy_(flat[start:stop])
             uid = next(self._uids)
             record = ParamRecord(uid=uid, name=name, param=param, stage=stage, partition=partition,
-                                 compute_dtype=compute_dtype, world_size=world_size, rank=rank, owner=owner, shard=shard)
+                                 compute_dtype=compute_dtype, world_size=world_size, rank=rank, owner=owner,
+                                 local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
+                                 shard=local.new_empty(0, dtype=compute_dtype))
+            if "nvme" in (param_tier, opt_tier):
+                record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
             self._uid_by_param[id(param)] = uid
-            self.held["params"] += _nbytes(shard) + _nbytes(param)
-            self._note_peak()
+            self._place_shard(record, local)
+            self._place_master(record, local)
+            self._add_resting("device", _nbytes(param))  # until release_full_storage (stage 3)
             return uid
+
+    def _place_shard(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
+        """Put this rank's slice, in compute dtype, on the parameter tier."""
+        if record.param_tier == "nvme":
+            if record.owns_state:
+                self._write_swap(record.swap, record.param_key, local_fp32.to(record.compute_dtype))
+            return
+        device = record.device if record.param_tier == "device" else torch.device("cpu")
+        shard = local_fp32.to(device=device, dtype=record.compute_dtype, copy=True)
+        if record.param_tier == "cpu" and torch.cuda.is_available():
+            shard = shard.pin_memory()  # asynchronous host-to-device copies need page-locked memory
+        record.shard = shard
+        self._add_resting(_tier_memory(record.param_tier), _nbytes(shard))
+
+    def _place_master(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
+        """The fp32 master on the optimizer tier; the shard itself where they coincide."""
+        if record.stage == 0:
+            return
+        if record.opt_tier == "nvme":
+            if record.owns_state:
+                write_initial_master(self, record, local_fp32)
+            return
+        if record.param_tier == record.opt_tier and record.compute_dtype == torch.float32:
+            record.master = record.shard
+            return
+        device = record.device if record.opt_tier == "device" else torch.device("cpu")
+        record.master = local_fp32.to(device=device, copy=True)
+        self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.master))
 
     def release_full_storage(self, uids: Iterable[int]) -> None:
         """Stage 3: free the full parameters (once tracing no longer reads them)."""
@@ -145,7 +278,7 @@ class ParamStore:
             record = self._records[uid]
             storage = record.param.untyped_storage()
             if record.stage == 3 and storage.nbytes() > 0:
-                self.held["params"] -= storage.nbytes()
+                self._add_resting("device", -storage.nbytes())
                 storage.resize_(0)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
@@ -158,27 +291,94 @@ class ParamStore:
     def records(self) -> list[ParamRecord]:
         return list(self._records.values())
 
+    # --- fetch: nc (NVMe -> pinned CPU buffer), cg (CPU -> device) ----------------
+
+    def nc_start(self, uid: int) -> None:
+        """Start reading the shard of an nvme-tier parameter into a pinned buffer."""
+        record = self._records[uid]
+        staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
+        request = record.swap.read(record.param_key, staging, record.shard_bytes) if record.owns_state else None
+        record._reads.append((request, staging))
+
+    def nc_wait(self, uid: int) -> None:
+        record = self._records[uid]
+        if not record._reads:
+            raise ZinfStoreError(f"nc_wait for {record.name} without an nc_start")
+        request, _ = record._reads[0]
+        if request is not None:
+            request.wait()
+
+    def cg_start(self, uid: int) -> None:
+        """Start copying the shard from CPU memory (cpu tier, or the nc buffer) to the device."""
+        record = self._records[uid]
+        staging = None
+        if record.param_tier == "nvme":
+            if not record._reads:
+                raise ZinfStoreError(f"cg_start for nvme-tier {record.name} without a finished nc")
+            _, staging = record._reads.pop(0)
+            source = staging.tensor(record.compute_dtype, record.local_numel)
+        else:
+            source = record.shard
+        on_device = torch.empty(record.local_numel, dtype=record.compute_dtype, device=record.device)
+        event = None
+        if on_device.is_cuda:
+            on_device.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            on_device.copy_(source)
+        record._copies.append((on_device, staging, event))
+        self._add_transient("device", _nbytes(on_device))
+
+    def cg_wait(self, uid: int) -> None:
+        record = self._records[uid]
+        if not record._copies:
+            raise ZinfStoreError(f"cg_wait for {record.name} without a cg_start")
+        on_device, staging, event = record._copies.pop(0)
+        if event is not None:
+            event.synchronize()
+        if staging is not None:
+            staging.release()
+        record._staged.append(on_device)
+
+    def _local_shard_on_device(self, record: ParamRecord) -> torch.Tensor:
+        """This rank's shard on the device: staged by cg, resting there, or fetched now."""
+        if record._staged:
+            shard = record._staged.pop(0)
+            self._add_transient("device", -_nbytes(shard))
+            return shard
+        if record.param_tier == "device":
+            return record.shard
+        # No nc/cg ran for this use (outside a graph, or the offload pass is off): fetch synchronously.
+        if record.param_tier == "nvme":
+            self.nc_start(record.uid)
+            self.nc_wait(record.uid)
+        self.cg_start(record.uid)
+        self.cg_wait(record.uid)
+        return self._local_shard_on_device(record)
+
     # --- gather / release -------------------------------------------------------
 
     def gather_start(self, uid: int) -> None:
         """Start assembling the full parameter (all-gather of slices, or broadcast from its owner)."""
         record = self._records[uid]
-        buffer = torch.empty(record.gathered_numel, dtype=record.compute_dtype, device=record.shard.device)
+        shard = self._local_shard_on_device(record)
+        buffer = torch.empty(record.gathered_numel, dtype=record.compute_dtype, device=record.device)
         if record.partition == "allgather":
-            work = self.comm.all_gather_into(buffer, record.shard)
+            work = self.comm.all_gather_into(buffer, shard)
         else:
             if record.rank == record.owner:
-                buffer.copy_(record.shard)
+                buffer.copy_(shard)
             work = self.comm.broadcast(buffer, src=record.owner)
-        record._gathers.append((work, buffer))
-        self._add_transient(_nbytes(buffer))
+        record._gathers.append((work, buffer, shard))
+        self._add_transient("device", _nbytes(buffer))
 
     def gather_wait(self, uid: int) -> torch.Tensor:
         """Finish the oldest in-flight gather of ``uid``; the full parameter in its own dtype."""
         record = self._records[uid]
         if not record._gathers:
             raise ZinfStoreError(f"gather_wait for {record.name} without a gather_start")
-        work, buffer = record._gathers.pop(0)
+        work, buffer, _ = record._gathers.pop(0)
         work.wait()
         full = buffer[: record.numel].view(record.shape)
         if full.dtype != record.param.dtype:
@@ -192,7 +392,7 @@ class ParamStore:
         after this op (the generated code frees values after their last use).
         """
         record = self._records[uid]
-        self._add_transient(-record.gathered_numel * record.shard.element_size())
+        self._add_transient("device", -record.gathered_numel * record.compute_dtype.itemsize)
 
     # --- gradients ---------------------------------------------------------------
 
@@ -212,16 +412,21 @@ class ParamStore:
             out = staging
             work = self.comm.reduce_sum(staging, dst=record.owner)
         record._reduces.append((work, out, staging))
-        self._add_transient(_nbytes(staging) + (_nbytes(out) if out is not staging else 0))
+        self._add_transient("device", _nbytes(staging) + (_nbytes(out) if out is not staging else 0))
 
     def reduce_grad_wait(self, uid: int) -> None:
-        """Finish the oldest in-flight reduce of ``uid`` and add it to the gradient shard."""
+        """Finish the oldest in-flight reduce of ``uid`` and add it to the gradient shard.
+
+        The gradient shard lives where the optimizer steps: on the device, or
+        in CPU memory for cpu and nvme optimizer tiers (the device-to-CPU copy
+        happens here, right after the reduction).
+        """
         record = self._records[uid]
         if not record._reduces:
             raise ZinfStoreError(f"reduce_grad_wait for {record.name} without a reduce_grad_start")
         work, out, staging = record._reduces.pop(0)
         work.wait()
-        self._add_transient(-(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)))
+        self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)))
         if record.partition == "broadcast":
             if record.rank != record.owner:
                 return
@@ -229,12 +434,12 @@ class ParamStore:
         if record.compute_dtype == torch.float16:
             out = out.to(torch.float32) / self.fp16_scaler.scale
             self.fp16_scaler.check(out)
+        grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         if record.grad_shard is None:
-            record.grad_shard = out.to(torch.float32, copy=True)
-            self.held["grads"] += _nbytes(record.grad_shard)
-            self._note_peak()
+            record.grad_shard = out.to(device=grad_device, dtype=torch.float32, copy=True)
+            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard))
         else:
-            record.grad_shard.add_(out)
+            record.grad_shard.add_(out.to(grad_device))
 
     def reduce_full_grads(self, records: Iterable[ParamRecord]) -> None:
         """Stage 1: reduce the full ``param.grad`` of each record into its gradient shard."""
@@ -250,10 +455,18 @@ class ParamStore:
     def drop_grads(self, records: Iterable[ParamRecord]) -> None:
         for record in records:
             if record.grad_shard is not None:
-                self.held["grads"] -= _nbytes(record.grad_shard)
+                self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.grad_shard))
                 record.grad_shard = None
 
     # --- after the optimizer step -----------------------------------------------
+
+    def publish(self, record: ParamRecord, master: torch.Tensor) -> None:
+        """Write an updated fp32 master slice back to the parameter tier, in compute dtype."""
+        if record.param_tier == "nvme":
+            if record.owns_state:
+                self._write_swap(record.swap, record.param_key, master.to(record.compute_dtype))
+        elif master is not record.shard:
+            record.shard.copy_(master)
 
     def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""
@@ -276,24 +489,28 @@ class ParamStore:
 
     # --- accounting --------------------------------------------------------------
 
-    def set_optimizer_bytes(self, delta: int) -> None:
-        self.held["optimizer"] += delta
-        self._note_peak()
+    def _add_resting(self, tier: str, delta: int) -> None:
+        self.resting[tier] += delta
+        self._note_peak(tier)
 
-    def _add_transient(self, delta: int) -> None:
-        self.held["transient"] += delta
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.held["transient"])
-        self._note_peak()
+    def _add_transient(self, tier: str, delta: int) -> None:
+        self.transient[tier] += delta
+        self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
+        self._note_peak(tier)
 
-    def _note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
+    def add_optimizer_bytes(self, tier: str, delta: int) -> None:
+        self._add_resting(_tier_memory(tier), delta)
+
+    def _note_peak(self, tier: str) -> None:
+        self.peak[tier] = max(self.peak[tier], self.resting[tier] + self.transient[tier])
 
     def reset_peak(self) -> None:
-        self.peak_bytes = sum(self.held.values())
-        self.peak_transient_bytes = self.held["transient"]
+        for tier in self.peak:
+            self.peak[tier] = self.resting[tier] + self.transient[tier]
+            self.peak_transient[tier] = self.transient[tier]
 
     def held_tensors(self, params: Iterable[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
-        """The tensors the store holds for ``params`` (default: all), by kind.
+        """The tensors the store holds in memory for ``params`` (default: all), by kind.
 
         For cross-checking the accounting against real storage.
         """
@@ -301,14 +518,21 @@ class ParamStore:
             records = list(self._records.values())
         else:
             records = [r for r in (self.lookup(p) for p in params) if r is not None]
-        params, grads = [], []
+        params, grads, masters = [], [], []
         for record in records:
             params.append(record.shard)
             if record.stage != 3:
                 params.append(record.param.data)
             if record.grad_shard is not None:
                 grads.append(record.grad_shard)
-        return {"params": params, "grads": grads}
+            if record.master is not None and record.master is not record.shard:
+                masters.append(record.master)
+        return {"params": params, "grads": grads, "masters": masters}
+
+
+def _tier_memory(tier: str) -> str:
+    """The memory a tier's tensors occupy: nvme-tier state is staged in CPU memory."""
+    return "device" if tier == "device" else "cpu"
 
 
 class Fp16GradScaler:

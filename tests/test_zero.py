@@ -47,6 +47,28 @@ def _check_memory_report(results, world):
             assert held["optimizer"] == device["optimizer"], (held, device)
 
 
+OFFLOAD_CONFIGS = [
+    {"stage": 3, "offload_param": param_tier, "offload_optimizer": opt_tier}
+    for param_tier, opt_tier in (("cpu", "none"), ("nvme", "none"), ("none", "cpu"), ("none", "nvme"),
+                                 ("cpu", "cpu"), ("nvme", "nvme"))
+] + [{"stage": 2, "offload_optimizer": "nvme"}, {"stage": 1, "offload_optimizer": "cpu"}]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offloaded_training_matches_eager(world):
+    """Issue 4 acceptance 1: parameters and optimizer state on CPU or NVMe train like eager."""
+    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": OFFLOAD_CONFIGS})
+    _check(results, world)
+    for config_result in results[0]:
+        report, config = config_result["report"], config_result["config"]
+        tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[config.get("offload_param", "none")]
+        if config["stage"] == 3:
+            assert report[tier]["params"] > 0 and all(
+                report[other]["params"] == 0 for other in ("device", "cpu", "nvme") if other != tier), report
+        if config.get("offload_optimizer") == "nvme":
+            assert report["nvme"]["optimizer"] > 0 and report["device"]["optimizer"] == 0, report
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_zero_stages_match_eager(world):
     results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": CONFIGS})

@@ -31,6 +31,8 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     reference = GPT(cfg)
     model = copy.deepcopy(reference)
     options = {"lower": "eager", **config}
+    if "nvme" in (config.get("offload_param"), config.get("offload_optimizer")):
+        options["nvme_path"] = os.environ["TMPDIR"]
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)

@@ -41,28 +41,41 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     """This rank's bytes per tier and kind, and the runtime's peak per tier.
 
     ``{"device"|"cpu"|"nvme": {"params", "grads", "optimizer", "activations"},
-    "peak": {"device", "cpu"}}``.  ``device`` is the compute device (the CPU
-    itself when there is no accelerator).  Parameters count this rank's shards
-    plus any full parameter storage still held (stages 0-2); gradients count
-    gradient shards plus ``param.grad``; optimizer counts state tensors and
-    separate fp32 master shards of the optimizers stepping this model.
+    "peak": {"device", "cpu"}, "buffers": {"cpu"}}``.  ``device`` is the
+    compute device (the CPU itself when there is no accelerator); ``cpu`` is
+    host memory holding offloaded state; ``nvme`` is swap-file bytes.
+    Parameters count this rank's shards on their tier plus any full parameter
+    storage still held (stages 0-2); gradients count gradient shards (on the
+    optimizer's tier) plus ``param.grad``; optimizer counts separate fp32
+    master shards and the optimizer's moments.  ``buffers`` is the pinned
+    staging pool, allocated once.  ``activations`` stays 0 until activation
+    offload exists.
     """
     report = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     params = _unique_params(model)
-    device = report["device"]
     for param in params:
-        device["params"] += param.untyped_storage().nbytes()
+        report["device"]["params"] += param.untyped_storage().nbytes()
         if param.grad is not None:
-            device["grads"] += param.grad.numel() * param.grad.element_size()
+            report["device"]["grads"] += param.grad.numel() * param.grad.element_size()
         record = STORE.lookup(param)
-        if record is not None:
-            device["params"] += record.shard.numel() * record.shard.element_size()
-            if record.grad_shard is not None:
-                device["grads"] += record.grad_shard.numel() * record.grad_shard.element_size()
+        if record is None:
+            continue
+        report[record.param_tier]["params"] += record.shard_bytes
+        if record.master is not None and record.master is not record.shard:
+            report[_memory_tier(record.opt_tier)]["optimizer"] += record.master.numel() * record.master.element_size()
+        if record.grad_shard is not None:
+            report[_memory_tier(record.opt_tier)]["grads"] += record.grad_shard.numel() * record.grad_shard.element_size()
     ids = {id(p) for p in params}
-    device["optimizer"] = sum(opt.state_bytes(ids) for opt in live_optimizers())
-    report["peak"] = {"device": STORE.peak_bytes, "cpu": 0}
+    for opt in live_optimizers():
+        for tier, nbytes in opt.state_bytes(ids).items():
+            report[tier]["optimizer"] += nbytes
+    report["peak"] = dict(STORE.peak)
+    report["buffers"] = {"cpu": STORE.pinned.capacity_bytes if STORE.pinned is not None else 0}
     return report
+
+
+def _memory_tier(tier: str) -> str:
+    return "device" if tier == "device" else "cpu"
 
 
 def reset_peak_memory(model: torch.nn.Module | None = None) -> None:

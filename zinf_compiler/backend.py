@@ -25,7 +25,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .context import CapturedGraph, GraphContext
-from .runtime.store import STORE
+from .runtime.aio import validate_folder
+from .runtime.store import DTYPES, STORE
 from .dump import GraphDumper
 from .options import ZinfOptions, parse_options
 from .pipeline import run_passes
@@ -52,9 +53,12 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
     if options.stage > 0:
+        _prepare_offload(captured, options)
         for position, param in captured.param_tensors.items():
             captured.param_uids[position] = STORE.adopt(
-                param, captured.inputs[position].name, options.stage, options.partition, options.param_dtype
+                param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
+                param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
+                opt_tier=TIERS[options.offload_optimizer],
             )
     dumper = GraphDumper(captured)
     dumper.dump_dynamo(gm)
@@ -69,6 +73,28 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     # Only now, with tracing done, may stage 3 parameters give up their memory.
     STORE.release_full_storage(captured.param_uids.values())
     return compiled
+
+
+TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
+def _prepare_offload(captured: CapturedGraph, options: ZinfOptions) -> None:
+    """Before any parameter is adopted: check nvme_path can hold what will be swapped."""
+    STORE.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
+                            options.aio_queue_depth, options.aio_threads)
+    if "nvme" not in (options.offload_param, options.offload_optimizer):
+        return
+    world = STORE.comm.world_size
+    needed = 0
+    for position, param in captured.param_tensors.items():
+        if STORE.lookup(param) is not None:
+            continue
+        local_numel = -(-param.numel() // world)
+        if options.offload_param == "nvme":
+            needed += 2 * local_numel * DTYPES[options.param_dtype].itemsize  # two slots per swap key
+        if options.offload_optimizer == "nvme" and param.requires_grad:
+            needed += 2 * 3 * local_numel * 4  # fp32 master and two moments, two slots each
+    validate_folder(options.nvme_path, needed)
 
 
 def _compile_with_inductor(gm, example_inputs, rewrite) -> Callable:

@@ -21,16 +21,46 @@ def _token(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=like.device)
 
 
+@torch.library.custom_op("zinf::nc_start", mutates_args=())
+def nc_start(param: torch.Tensor, uid: int) -> torch.Tensor:
+    """Begin reading parameter ``uid``'s shard from NVMe into a pinned CPU buffer."""
+    STORE.nc_start(uid)
+    return _token(param)
+
+
+@torch.library.custom_op("zinf::nc_wait", mutates_args=())
+def nc_wait(token: torch.Tensor, uid: int) -> torch.Tensor:
+    """Finish the NVMe read; returns a token ordering the CPU-to-device copy after it."""
+    STORE.nc_wait(uid)
+    return _token(token)
+
+
+@torch.library.custom_op("zinf::cg_start", mutates_args=())
+def cg_start(after: torch.Tensor, uid: int) -> torch.Tensor:
+    """Begin copying parameter ``uid``'s shard from CPU memory to the device."""
+    STORE.cg_start(uid)
+    return _token(after)
+
+
+@torch.library.custom_op("zinf::cg_wait", mutates_args=())
+def cg_wait(token: torch.Tensor, uid: int) -> torch.Tensor:
+    """Finish the copy; the shard is staged on the device for the gather."""
+    STORE.cg_wait(uid)
+    return _token(token)
+
+
 @torch.library.custom_op("zinf::gather_start", mutates_args=())
-def gather_start(param: torch.Tensor, uid: int) -> torch.Tensor:
-    """Begin assembling the full parameter ``uid`` (``param`` is its storage-less placeholder)."""
+def gather_start(param: torch.Tensor, uid: int, after: torch.Tensor | None = None) -> torch.Tensor:
+    """Begin assembling the full parameter ``uid`` (``param`` is its storage-less placeholder).
+
+    ``after``: the token of the fetch (cg) that staged the shard, if any.
+    """
     STORE.gather_start(uid)
     return _token(param)
 
 
-@gather_start.register_fake
-def _(param, uid):
-    return param.new_empty(0, dtype=torch.uint8)
+for _token_op in (nc_start, nc_wait, cg_start, cg_wait, gather_start):
+    _token_op.register_fake(lambda first, *rest: first.new_empty(0, dtype=torch.uint8))
 
 
 @torch.library.custom_op("zinf::gather_wait", mutates_args=())
@@ -94,10 +124,14 @@ def _(grad):
 for _op in (release, reduce_grad_wait):
     torch.fx.has_side_effect(_op._opoverload)
 
+NC_START = torch.ops.zinf.nc_start.default
+NC_WAIT = torch.ops.zinf.nc_wait.default
+CG_START = torch.ops.zinf.cg_start.default
+CG_WAIT = torch.ops.zinf.cg_wait.default
 GATHER_START = torch.ops.zinf.gather_start.default
 GATHER_WAIT = torch.ops.zinf.gather_wait.default
 RELEASE = torch.ops.zinf.release.default
 REDUCE_GRAD_START = torch.ops.zinf.reduce_grad_start.default
 REDUCE_GRAD_WAIT = torch.ops.zinf.reduce_grad_wait.default
 ALL_REDUCE_GRAD = torch.ops.zinf.all_reduce_grad.default
-START_TO_WAIT = {GATHER_START: GATHER_WAIT, REDUCE_GRAD_START: REDUCE_GRAD_WAIT}
+START_TO_WAIT = {NC_START: NC_WAIT, CG_START: CG_WAIT, GATHER_START: GATHER_WAIT, REDUCE_GRAD_START: REDUCE_GRAD_WAIT}

@@ -16,12 +16,14 @@ per-rank optimizer checkpoints); load it into the same world size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 
+from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import STORE, ParamRecord
 
 _LIVE_OPTIMIZERS: "weakref.WeakSet[ZinfOptimizer]" = weakref.WeakSet()
@@ -47,7 +49,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._inner: torch.optim.Optimizer | None = None
         self._slots: list[list[_Slot]] = []
-        self._state_bytes = 0
+        self._nvme_slots: list[tuple[_Slot, int]] = []  # (slot, param group index): state in swap files
+        self._nvme: NvmeAdam | None = None
+        self._state_bytes = {"device": 0, "cpu": 0}
         _LIVE_OPTIMIZERS.add(self)
 
     # --- binding to the store ----------------------------------------------------
@@ -63,21 +67,26 @@ class ZinfOptimizer(torch.optim.Optimizer):
                         )
             return
         inner_groups = []
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             group_slots = []
             for param in group["params"]:
                 record = STORE.lookup(param)
-                if record is None or record.stage == 0:
-                    master = param
-                elif record.compute_dtype == torch.float32:
-                    master = record.shard
-                else:
-                    master = record.shard.to(torch.float32)
+                if record is not None and record.stage > 0 and record.opt_tier == "nvme":
+                    if self.inner_class not in (torch.optim.Adam, torch.optim.AdamW):
+                        raise ValueError(
+                            f"offload_optimizer='nvme' streams Adam/AdamW state from disk; "
+                            f"{type(self).__name__} is not supported there (use offload_optimizer='cpu')"
+                        )
+                    self._nvme_slots.append((_Slot(param, record, None), group_index))
+                    continue
+                master = param if record is None or record.stage == 0 else record.master
                 group_slots.append(_Slot(param, record, master))
             self._slots.append(group_slots)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": [slot.master for slot in group_slots]})
         self._inner = self._make_inner(inner_groups)
+        if self._nvme_slots:
+            self._nvme = NvmeAdam(STORE, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
 
     def _make_inner(self, inner_groups: list[dict]) -> torch.optim.Optimizer:
         kwargs = {}
@@ -91,6 +100,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
             return self.inner_class(inner_groups)  # fused unsupported for these tensors
 
     def _all_slots(self) -> list[_Slot]:
+        """Every slot, the nvme-tier ones included."""
+        return [slot for group_slots in self._slots for slot in group_slots] + [s for s, _ in self._nvme_slots]
+
+    def _memory_slots(self) -> list[_Slot]:
+        """The slots whose master the inner torch optimizer steps."""
         return [slot for group_slots in self._slots for slot in group_slots]
 
     def _records(self) -> list[ParamRecord]:
@@ -115,22 +129,34 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 STORE.drop_grads(self._records())
                 return loss
-        for slot in self._all_slots():
+        for slot in self._memory_slots():
             if slot.master is not slot.param:
                 slot.master.grad = slot.grad
-        for outer, inner in zip(self.param_groups, self._inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self._sync_hyperparameters()
+        if self._nvme is not None:
+            # First the state on disk, as one transaction: an I/O error here
+            # leaves every swap file at the last good step, and the in-memory
+            # state has not been touched yet.
+            steps_before = dict(self._nvme.steps)
+            try:
+                with _swap_transaction(slot.record for slot, _ in self._nvme_slots):
+                    self._nvme.step([slot for slot, _ in self._nvme_slots],
+                                    [self.param_groups[group_index] for _, group_index in self._nvme_slots])
+            except Exception:
+                self._nvme.steps = steps_before
+                raise
         self._inner.step()
-        for slot in self._all_slots():
-            if slot.record is not None and slot.master is not slot.param and slot.master is not slot.record.shard:
-                slot.record.shard.copy_(slot.master)
+        with _swap_transaction(slot.record for slot in self._memory_slots() if slot.record is not None):
+            for slot in self._memory_slots():
+                if slot.record is not None and slot.record.stage > 0:
+                    STORE.publish(slot.record, slot.master)
         STORE.refresh_full_params(self._records())
         self._account_state()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # full gradients in param.grad (unsharded params, stage 1)
-        for slot in self._all_slots():
+        for slot in self._memory_slots():
             if slot.master is not slot.param:
                 slot.master.grad = None
         STORE.drop_grads(self._records())
@@ -170,6 +196,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._bind()
+        if self._nvme_slots:
+            raise NotImplementedError(
+                "state_dict() of an optimizer whose state rests on NVMe (offload_optimizer='nvme') is not "
+                "built yet; use offload_optimizer='cpu' or 'none' to checkpoint optimizer state"
+            )
         self._sync_hyperparameters()
         state = self._inner.state_dict()
         state["zinf"] = {"world_size": STORE.comm.world_size, "rank": STORE.comm.rank}
@@ -195,25 +226,41 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     # --- accounting --------------------------------------------------------------
 
-    def state_bytes(self, params: set[int] | None = None) -> int:
-        """Bytes of optimizer state (and separate fp32 masters) for ``params`` (ids), or all."""
+    def state_bytes(self, params: set[int] | None = None) -> dict[str, int]:
+        """Bytes of optimizer state per tier for ``params`` (ids), or all.
+
+        Counts the moments (and step counters) the inner optimizer holds, on
+        the device or the CPU, and master + moments in NVMe swap files.
+        Separate fp32 masters are the store's (see ``memory_report``).
+        """
+        per_tier = {"device": 0, "cpu": 0, "nvme": 0}
         if self._inner is None:
-            return 0
-        total = 0
-        for slot in self._all_slots():
+            return per_tier
+        for slot in self._memory_slots():
             if params is not None and id(slot.param) not in params:
                 continue
+            tier = slot.record.opt_tier if slot.record is not None and slot.record.stage > 0 else "device"
             for value in self._inner.state.get(slot.master, {}).values():
                 if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-            if slot.record is not None and slot.master is not slot.record.shard:
-                total += slot.master.numel() * slot.master.element_size()
-        return total
+                    per_tier[tier] += value.numel() * value.element_size()
+        if self._nvme is not None:
+            records = [s.record for s, _ in self._nvme_slots if params is None or id(s.param) in params]
+            per_tier["nvme"] += self._nvme.state_bytes_on_disk(records)
+        return per_tier
 
     def _account_state(self) -> None:
-        sharded = self.state_bytes()
-        STORE.set_optimizer_bytes(sharded - self._state_bytes)
-        self._state_bytes = sharded
+        held = self.state_bytes()
+        for tier in ("device", "cpu"):
+            STORE.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier])
+            self._state_bytes[tier] = held[tier]
+
+
+def _swap_transaction(records) -> contextlib.ExitStack:
+    """One all-or-nothing swap transaction over the engines these records write to."""
+    stack = contextlib.ExitStack()
+    for engine in {id(r.swap): r.swap for r in records if r.swap is not None}.values():
+        stack.enter_context(engine.transaction())
+    return stack
 
 
 def live_optimizers() -> list[ZinfOptimizer]:

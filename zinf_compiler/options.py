@@ -161,8 +161,6 @@ SPECS_BY_NAME = {spec.name: spec for spec in OPTION_SPECS}
 # Values that parse but whose feature this build does not have yet.  Refusing
 # them loudly is better than training with a silently ignored flag.
 NOT_IMPLEMENTED: dict[str, set[Any]] = {
-    "offload_param": {"cpu", "nvme"},
-    "offload_optimizer": {"cpu", "nvme"},
     "offload_activations": {"cpu", "nvme"},
     "activation_checkpointing": {"block", "auto"},
 }
@@ -256,6 +254,13 @@ def parse_options(
                 raise ZinfOptionError(
                     f"disable_passes names unknown pass {pass_name!r}; passes are: {', '.join(known_passes)}"
                 )
+    if values["offload_param"] != "none" and values["stage"] != 3:
+        raise ZinfOptionError(
+            f"offload_param={values['offload_param']!r} needs stage=3 (at stages 0-2 every rank keeps full "
+            f"parameters on the device); got stage={values['stage']}"
+        )
+    if values["offload_optimizer"] != "none" and values["stage"] == 0:
+        raise ZinfOptionError("offload_optimizer needs a sharded optimizer: stage 1, 2 or 3 (got stage=0)")
     if "nvme" in (values["offload_param"], values["offload_optimizer"], values["offload_activations"]) and not values["nvme_path"]:
         raise ZinfOptionError("an 'nvme' offload needs nvme_path: set options={'nvme_path': '/path/to/fast/disk'}")
     return ZinfOptions(**values)

@@ -1,0 +1,51 @@
+"""The ``offload`` pass: fetch offloaded parameter shards before their gather.
+
+For each ``zinf.gather_start`` of a parameter whose shard rests off the
+device (``offload_param`` = "cpu" or "nvme"), insert the fetch steps of the
+paper right before it and chain the gather after them:
+
+    nvme:  nc_start -> nc_wait -> cg_start -> cg_wait -> gather_start(after=cg token)
+    cpu:                          cg_start -> cg_wait -> gather_start(after=cg token)
+
+nc moves the shard from NVMe into a pinned CPU buffer, cg from CPU memory to
+the device.  Each step is a start/wait pair placed back to back here; the
+schedule pass moves starts earlier.  Gradients need no nodes: the runtime
+copies each reduced gradient shard to the optimizer's tier when its
+reduce-scatter completes (``zinf.reduce_grad_wait``).
+
+Records ``ctx.facts["fetched"]``: {uid: ["nc", "cg"] or ["cg"]}.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zinf_compiler import ops
+from zinf_compiler.context import GraphContext
+from zinf_compiler.graph_utils import call_op
+
+NAME = "offload"
+KINDS = ("forward", "backward", "inference")
+
+
+def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    tier = ctx.options.offload_param
+    fetched = {}
+    if tier != "none":
+        graph = gm.graph
+        for gather in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GATHER_START]:
+            param_node, uid = gather.args[0], gather.args[1]
+            with graph.inserting_before(gather):
+                after = param_node
+                steps = []
+                if tier == "nvme":
+                    token = call_op(graph, ops.NC_START, (param_node, uid), name=f"nc_start_{param_node.name}")
+                    after = call_op(graph, ops.NC_WAIT, (token, uid), name=f"nc_wait_{param_node.name}")
+                    steps.append("nc")
+                token = call_op(graph, ops.CG_START, (after, uid), name=f"cg_start_{param_node.name}")
+                after = call_op(graph, ops.CG_WAIT, (token, uid), name=f"cg_wait_{param_node.name}")
+                steps.append("cg")
+            gather.args = (param_node, uid, after)
+            fetched[uid] = steps
+    ctx.facts["fetched"] = fetched
+    return gm
