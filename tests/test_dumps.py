@@ -128,3 +128,17 @@ def test_verifier_rejects_a_pass_that_breaks_the_graph():
         with pytest.raises(ZinfVerifyError, match=words) as err:
             run_passes(_toy_graph(), ctx, dumper, pipeline=[_pass("bad", bad_pass)])
         assert "after 'bad'" in str(err.value)
+
+
+def test_verifier_requires_one_wait_per_start_and_one_release_per_gather():
+    from zinf_compiler import ops
+
+    def orphan_start(gm, ctx):
+        placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(placeholder):
+            gm.graph.call_function(ops.REDUCE_GRAD_START, (placeholder, 0))
+        return gm
+
+    ctx, dumper = _ctx({})
+    with pytest.raises(ZinfVerifyError, match="has 0 waits"):
+        run_passes(_toy_graph(), ctx, dumper, pipeline=[_pass("orphan", orphan_start)])

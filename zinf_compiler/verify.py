@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .context import GraphContext
 
 
@@ -32,7 +33,9 @@ def verify_graph(
 
     Checks: FX lint (every use defined before it, one output node); the
     graph's calling signature is the one AOTAutograd compiled against; every
-    call_function target is callable; the generated Python compiles.
+    call_function target is callable; every async start has exactly one wait
+    and every gathered parameter exactly one release; the generated Python
+    compiles.
     """
     where = f"graph {ctx.graph_id} {ctx.kind}, after {stage!r}"
     try:
@@ -47,6 +50,14 @@ def verify_graph(
     for node in gm.graph.nodes:
         if node.op == "call_function" and not callable(node.target):
             raise ZinfVerifyError(f"{where}: node {node.name} calls a non-callable {node.target!r}")
+        if node.target in ops.START_TO_WAIT:
+            waits = [user for user in node.users if user.target is ops.START_TO_WAIT[node.target]]
+            if len(waits) != 1:
+                raise ZinfVerifyError(f"{where}: async start {node.name} has {len(waits)} waits, needs exactly one")
+        if node.target is ops.GATHER_WAIT:
+            releases = [user for user in node.users if user.target is ops.RELEASE]
+            if len(releases) != 1:
+                raise ZinfVerifyError(f"{where}: gathered parameter {node.name} has {len(releases)} releases, needs one")
     try:
         gm.recompile()
     except Exception as err:
