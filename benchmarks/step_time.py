@@ -4,10 +4,14 @@
 
 Each variant trains its own copy of the same model on the same batches
 (forward, backward, AdamW step, zero_grad). After a warm-up that compiles,
-the variants take turns in rounds so machine noise falls on all of them.
-Prints median step times and ratios. zinf runs without sharding (stage 0,
-world size 1) by default, so the ratio to Inductor is the cost of zinf's
-capture, passes and runtime hooks; ``--stage 3`` measures ZeRO-3 at world 1.
+the variants take turns so machine noise falls on all of them: by default
+one step each in turn (``--interleave step``), or ``--steps`` steps each per
+turn (``--interleave round``). Prints median step times, the spread
+(interquartile range) and ratios, plus the load average before and after, so
+a run disturbed by other processes shows it. zinf runs without sharding
+(stage 0, world size 1) by default, so the ratio to Inductor is the cost of
+zinf's capture, passes and runtime hooks; ``--stage 3`` measures ZeRO-3 at
+world 1.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--stage", type=int, default=0, help="zinf's ZeRO stage (world size 1)")
+    parser.add_argument("--interleave", choices=["step", "round"], default="step",
+                        help="take turns every step (default) or every --steps steps")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, threads {torch.get_num_threads()}")
+    print(f"load average before: {_loadavg()}")
 
     cfg = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd)
@@ -62,16 +69,16 @@ def main() -> int:
         zinf.optim.AdamW(zinf_model.parameters(), lr=1e-3),
     )
 
+    def one_step(model, opt, idx, targets) -> float:
+        started = time.perf_counter()
+        loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - started
+
     def run_steps(model, opt) -> list[float]:
-        times = []
-        for idx, targets in batches:
-            started = time.perf_counter()
-            loss = model(idx, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - started)
-        return times
+        return [one_step(model, opt, idx, targets) for idx, targets in batches]
 
     for name, (model, opt) in variants.items():
         started = time.perf_counter()
@@ -80,15 +87,32 @@ def main() -> int:
 
     samples = {name: [] for name in variants}
     for round_index in range(args.rounds):
-        for name, (model, opt) in variants.items():
-            samples[name].extend(run_steps(model, opt))
+        if args.interleave == "round":
+            for name, (model, opt) in variants.items():
+                samples[name].extend(run_steps(model, opt))
+        else:
+            for idx, targets in batches:
+                for name, (model, opt) in variants.items():
+                    samples[name].append(one_step(model, opt, idx, targets))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    print(f"load average after: {_loadavg()}")
 
     medians = {name: statistics.median(times) * 1000 for name, times in samples.items()}
-    print(f"\n| variant | median step (ms) | vs eager | vs inductor |\n|---|---|---|---|")
+    print(f"\n{len(next(iter(samples.values())))} steps per variant, interleaved per {args.interleave}")
+    print("| variant | median step (ms) | IQR (ms) | vs eager | vs inductor |\n|---|---|---|---|---|")
     for name, median in medians.items():
-        print(f"| {name} | {median:.1f} | {median / medians['eager']:.3f} | {median / medians['inductor']:.3f} |")
+        quartiles = statistics.quantiles([t * 1000 for t in samples[name]], n=4, method="inclusive")
+        print(f"| {name} | {median:.1f} | {quartiles[0]:.1f}-{quartiles[2]:.1f} | {median / medians['eager']:.3f} "
+              f"| {median / medians['inductor']:.3f} |")
     return 0
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3]) + " (1, 5, 15 min)"
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import sys
 import time
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--sample-tokens", type=int, default=60, help="bytes to generate after training")
     args = parser.parse_args(argv)
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -97,9 +99,6 @@ def main(argv: list[str] | None = None) -> int:
 
     data = torch.frombuffer(bytearray(make_corpus(400_000, args.seed)), dtype=torch.uint8)
     cfg = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    torch.manual_seed(args.seed)
-    model = GPT(cfg).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
     options = {"stage": args.stage, "lower": args.lower, "param_dtype": args.param_dtype,
                "offload_param": args.offload, "offload_optimizer": args.offload}
     if args.offload == "nvme":
@@ -116,6 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     except zinf.ZinfOptionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    torch.manual_seed(args.seed)
+    if args.stage == 3 and args.offload != "none":
+        # Offloaded: build the model as shapes only and let zinf fill and
+        # shard it module by module, so the whole model is never in memory.
+        with torch.device("meta"):
+            model = GPT(cfg)
+        zinf.materialize(model, options, init_fn=model.init_weights, device=device, progress=rank == 0)
+    else:
+        model = GPT(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))
@@ -160,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     say(f"runtime peak: device {report['peak']['device']:,} B, cpu {report['peak']['cpu']:,} B "
         f"(of which pinned pool {report['buffers']['cpu']:,} B)")
     # Every rank decodes: at stages 2-3 each forward gathers parameters collectively.
-    text = sample(compiled, b"The model ", 60, args.block_size, device)
+    text = sample(compiled, b"The model ", args.sample_tokens, args.block_size, device)
     say(f"sample: {text.decode(errors='replace')!r}")
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    say(f"peak RSS {peak_rss:,} B; model states {16 * n_params:,} B (16 B/param: fp32 weight, gradient, "
+        f"two Adam moments)")
     say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
         f"{time.perf_counter() - started:.0f}s in all")
     if dist.is_initialized():

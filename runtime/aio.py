@@ -1,39 +1,80 @@
 """Async bulk tensor I/O to swap files under ``nvme_path``.
 
-``AioEngine.write(key, buffer, nbytes)`` / ``read(key, buffer, nbytes)``
-split a transfer into ``block_size`` pieces and hand them to a pool of worker
-threads doing ``os.pwritev`` / ``os.preadv`` on files opened with
-``O_DIRECT`` (the page cache is bypassed; buffers come from the aligned
-pinned pool).  Calls return an :class:`AioRequest` at once; ``wait()`` blocks
-until every piece is done and raises on error.  Many requests can be in
-flight.  This is the "threads" backend; an io_uring backend would be a second
-class chosen at runtime where the kernel allows it.
+``AioEngine.write(key, buffer, nbytes)`` / ``read(key, into, nbytes)``
+return an :class:`AioRequest` at once; ``wait()`` blocks until the transfer
+is done and raises on error, ``done()`` polls.  Many requests may be in
+flight at once, from any thread.
 
-Swap files live in a private folder (mode 0700) made under ``nvme_path``,
-each file mode 0600, and are removed at ``close()`` and at exit.  Every key
-is written to a fresh region (double buffering: two slots per key) and its
-metadata (slot, size, checksum) switches only after the write completed, so
-a failed write leaves the last good contents readable; every read verifies
-the checksum and raises :class:`AioChecksumError` on a mismatch.
+Backend.  This is the "threads" backend (``engine.backend``): a transfer is
+split into ``block_size`` pieces executed by ``threads`` worker threads
+with ``os.pwritev`` / ``os.preadv`` (they release the GIL).  Each request
+keeps at most ``queue_depth`` pieces queued or running: when one finishes,
+the worker queues the request's next piece at the tail of the shared FIFO.
+So requests interleave piece by piece, and a small read issued behind a
+256 MiB write waits for at most ``queue_depth`` of its pieces, not all of
+them.  An io_uring backend (kernel queue, no threads) would be a second
+class with the same interface, chosen at runtime where the kernel and
+liburing allow it.
+
+Files.  ``AioEngine(folder)`` makes a private folder (mode 0700)
+``zinf-swap-<pid>-<random>`` under ``folder`` (the user's ``nvme_path``);
+each key is one file in it (mode 0600), opened with ``O_DIRECT`` so the page
+cache is bypassed.  A filesystem that refuses ``O_DIRECT`` (tmpfs) gets
+buffered I/O with ``posix_fadvise(DONTNEED)`` instead; ``engine.direct``
+says which.  The folder is removed by ``close()``, when the engine is
+garbage collected, and at interpreter exit (never by a forked child).
+Swap files are scratch for this process: nothing is fsync-ed.
+
+Alignment.  ``O_DIRECT`` needs 4096-aligned memory, offsets and sizes, so
+``nbytes`` is padded up to a multiple of 4096 internally: the buffer must
+hold ``ceil(nbytes / 4096) * 4096`` bytes and start at an aligned address.
+:class:`~zinf_compiler.runtime.pinned.PinnedPool` blocks satisfy both.
+A read fills the padding too.
+
+No partial state is taken as good.  Each key's file holds two slots; a
+write goes to the slot that does not hold the key's last good copy, and the
+key's metadata (slot, size, checksums) switches to it only when every piece
+has been written.  A failed write (ENOSPC, EIO, ...) therefore leaves the
+previous copy readable.  Inside ``with engine.transaction():`` the switches
+happen together at the end of the block, and only if it ends without an
+error and every write in it succeeded: an optimizer step that fails half
+way leaves every key at the previous step.  Writes of one key are
+serialized (a second write waits for the first); reads see the newest
+completed write (inside a transaction: including its own writes).
+
+Checksums.  Every write records, per piece, a 64-bit checksum of the bytes
+written: the 4096-byte sectors' sums of 64-bit words, weighted by the
+sector's position (numpy, ~12 GB/s on one core, computed by the worker
+threads so it overlaps the I/O; zlib.crc32 runs at ~2 GB/s here, as slow as
+the disk).  Every read verifies them and raises :class:`AioChecksumError`
+naming the key, the file and the damaged byte range; bad data is never
+returned as good.
+
+Stats: ``bytes_written``, ``bytes_read`` (completed transfers),
+``busy_seconds`` (wall time with at least one piece in flight).
 """
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import hashlib
+import mmap
 import os
 import shutil
 import tempfile
 import threading
 import time
+import urllib.parse
 import weakref
+from collections import OrderedDict, deque
 
 import numpy as np
 
 ALIGNMENT = 4096
+_SECTOR_WORDS = ALIGNMENT // 8
+MAX_OPEN_FILES = 256  # swap files kept open at once; idle ones beyond this are closed (reopened on use)
 
 
 class AioError(RuntimeError):
@@ -45,280 +86,657 @@ class AioChecksumError(AioError):
 
 
 def human_bytes(count: float) -> str:
+    """``12.0 GiB`` style."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+            return f"{int(count)} B" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
-    raise AssertionError
-
-
-def validate_folder(folder: str | None, needed_bytes: int) -> None:
-    """Fail early, naming ``nvme_path``, if ``folder`` cannot hold ``needed_bytes`` of swap."""
-    if not folder:
-        raise AioError("NVMe offload needs the option nvme_path: a folder on a fast local disk")
-    if not os.path.exists(folder):
-        raise AioError(f"nvme_path {folder!r} does not exist; create it (mkdir -p {folder}) or point nvme_path elsewhere")
-    if not os.path.isdir(folder):
-        raise AioError(f"nvme_path {folder!r} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise AioError(f"nvme_path {folder!r} is not writable by this process")
-    stats = os.statvfs(folder)
-    available = stats.f_bavail * stats.f_frsize
-    if available < needed_bytes:
-        raise AioError(
-            f"nvme_path {folder!r} has {human_bytes(available)} free ({available:,} bytes) but the planned swap needs "
-            f"{human_bytes(needed_bytes)} ({needed_bytes:,} bytes); free space or choose another nvme_path"
-        )
-
-
-def checksum(view: memoryview, nbytes: int) -> int:
-    """Sum of the 64-bit words of the (alignment-padded) transfer, modulo 2**64.
-
-    Any corruption confined to one word changes it; it runs at memory speed
-    (a CRC would cost more than the disk read it protects).
-    """
-    words = np.frombuffer(view, dtype=np.uint64, count=_round_up(nbytes, ALIGNMENT) // 8)
-    return int(words.sum(dtype=np.uint64))
+    raise AssertionError("unreachable")
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def validate_folder(folder: str | None, needed_bytes: int) -> None:
+    """Fail early, naming the option ``nvme_path``, if ``folder`` cannot hold ``needed_bytes`` of swap.
+
+    Raises :class:`AioError` if the folder is missing, not a folder, not
+    writable, or on a filesystem with less than ``needed_bytes`` free.
+    """
+    if not folder:
+        raise AioError("NVMe offload needs the option nvme_path: a folder on a fast local disk")
+    if not os.path.exists(folder):
+        raise AioError(f"nvme_path {folder!r} does not exist; create it first (mkdir -p {folder}) "
+                       f"or point nvme_path at an existing folder on a fast local disk")
+    if not os.path.isdir(folder):
+        raise AioError(f"nvme_path {folder!r} is not a folder; point nvme_path at a folder on a fast local disk")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AioError(f"nvme_path {folder!r} is not writable by this process (uid {os.geteuid()}); "
+                       f"fix its permissions or point nvme_path elsewhere")
+    stats = os.statvfs(folder)
+    available = stats.f_bavail * stats.f_frsize
+    if available < needed_bytes:
+        raise AioError(
+            f"nvme_path {folder!r} is too small for the swap files: needs {human_bytes(needed_bytes)} "
+            f"({needed_bytes:,} bytes), {human_bytes(available)} free ({available:,} bytes); "
+            f"free space there or point nvme_path at a bigger disk"
+        )
+
+
+# --- checksums -------------------------------------------------------------------
+
+_WEIGHTS = np.arange(1, (64 << 20) // ALIGNMENT + 1, dtype=np.uint64)  # sector weights, up to 64 MiB pieces
+
+
+def _digest(piece: memoryview, first_sector: int) -> int:
+    """Checksum of an aligned piece: sector word-sums weighted by the sectors' positions (mod 2**64).
+
+    Position weights make a sector written to the wrong place (or read from
+    one) change the checksum, which a plain sum would not notice.
+    """
+    sums = np.frombuffer(piece, dtype=np.uint64).reshape(-1, _SECTOR_WORDS).sum(axis=1, dtype=np.uint64)
+    count = len(sums)
+    if count <= len(_WEIGHTS):
+        weights = _WEIGHTS[:count] + np.uint64(first_sector)
+    else:
+        weights = np.arange(first_sector + 1, first_sector + count + 1, dtype=np.uint64)
+    return int(np.dot(sums, weights))
+
+
+# --- state shared by the engine, its requests and its worker threads -----------------
+# Nothing below references the AioEngine object, so the engine can be garbage
+# collected (and its folder removed) while worker threads sit idle.
+
+
 @dataclasses.dataclass
-class _KeyMeta:
-    capacity: int  # bytes reserved per slot, fixed by the key's first write
-    slot: int = -1  # which slot holds the last good write (-1: none yet)
-    nbytes: int = 0
-    checksum: int = 0
+class _Copy:
+    """One complete, checksummed copy of a key: which slot, how many bytes, per-piece checksums."""
+
+    slot: int
+    nbytes: int
+    digests: np.ndarray
+
+
+class _Key:
+    def __init__(self, name: str, path: str):
+        self.name = name
+        self.path = path
+        self.fd: int | None = None
+        self.fd_users = 0  # requests using fd; it is only closed at 0
+        self.regions: list[tuple[int, int] | None] = [None, None]  # per slot: (file offset, capacity)
+        self.file_end = 0
+        self.committed: _Copy | None = None  # the last good copy
+        self.lost: str | None = None  # copies=1: why the only copy is gone (a failed or aborted write)
+        self.writing = False  # a write of this key is in flight
+        self.reads = [0, 0]  # reads in flight per slot
+
+
+class _Transaction:
+    def __init__(self):
+        self.pending: dict[str, _Copy] = {}
+        self.open_writes = 0
+        self.failure: AioError | None = None
+        self.state = "open"  # open | committed | aborted
+
+
+class _State:
+    def __init__(self, folder: str, direct: bool, block_size: int, queue_depth: int):
+        self.folder = folder
+        self.direct = direct
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.owner_pid = os.getpid()
+        self.lock = threading.Lock()
+        self.work = threading.Condition(self.lock)  # workers wait here for pieces
+        self.changed = threading.Condition(self.lock)  # submitters wait here for key state changes
+        self.queue: deque = deque()  # (request, piece index)
+        self.stopping = False
+        self.closed = False
+        self.threads: list[threading.Thread] = []
+        self.keys: dict[str, _Key] = {}
+        self.open_files: OrderedDict[str, _Key] = OrderedDict()  # LRU of keys with an open fd
+        self.transaction: _Transaction | None = None
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.pieces_running = 0
+        self.busy_since = 0.0
+        self.busy_seconds = 0.0
+
+    # Called with the lock held.
+    def acquire_fd(self, key: _Key) -> int:
+        if key.fd is None:
+            while len(self.open_files) >= MAX_OPEN_FILES:
+                idle = next((k for k in self.open_files.values() if k.fd_users == 0), None)
+                if idle is None:
+                    break
+                os.close(idle.fd)
+                idle.fd = None
+                del self.open_files[idle.name]
+            flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
+            try:
+                fd = os.open(key.path, flags, 0o600)
+                os.fchmod(fd, 0o600)  # whatever the umask
+            except OSError as err:
+                raise _io_error("open", key, self.folder, 0, 0, err) from err
+            key.fd = fd
+            self.open_files[key.name] = key
+        self.open_files.move_to_end(key.name)
+        key.fd_users += 1
+        return key.fd
+
+    def release_fd(self, key: _Key) -> None:
+        key.fd_users -= 1
 
 
 class AioRequest:
     """An in-flight read or write: ``wait()`` to finish it (raises on failure), ``done()`` to poll."""
 
-    def __init__(self, futures: list, on_done=None):
-        self._futures = futures
-        self._on_done = on_done
-        self._finished = False
+    def __init__(self, state: _State, kind: str, key: _Key, view: memoryview, nbytes: int, file_offset: int,
+                 expected: np.ndarray | None, on_finish):
+        self.kind = kind  # "read" | "write"
+        self.key = key.name
+        self.nbytes = nbytes
+        self._state = state
+        self._key = key
+        self._view = view
+        self._file_offset = file_offset
+        padded = _round_up(nbytes, ALIGNMENT)
+        self._pieces = [(start, min(state.block_size, padded - start)) for start in range(0, padded, state.block_size)]
+        self._digests = np.zeros(len(self._pieces), dtype=np.uint64) if expected is None else expected
+        self._on_finish = on_finish  # called once, lock held, in the thread that finishes the last piece
+        self._next_piece = 0
+        self._outstanding = 0
+        self.error: AioError | None = None
+        self._event = threading.Event()
 
     def done(self) -> bool:
-        return all(future.done() for future in self._futures)
+        """True when every piece has finished (successfully or not); ``wait()`` then returns or raises at once."""
+        return self._event.is_set()
 
-    def wait(self) -> None:
-        if self._finished:
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer is complete; raise its :class:`AioError` if it failed."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"NVMe swap {self.kind} of {self.key!r} ({human_bytes(self.nbytes)}) "
+                               f"still in flight after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+    def __repr__(self) -> str:
+        status = "failed" if self.error else "done" if self.done() else "in flight"
+        return f"AioRequest({self.kind} {self.key!r}, {self.nbytes} bytes, {status})"
+
+    # --- scheduling (lock held) ----------------------------------------------------
+
+    def _submit(self) -> None:
+        state = self._state
+        if not self._pieces:
+            self._finish()
             return
-        self._finished = True
-        errors = []
-        for future in self._futures:
-            try:
-                future.result()
-            except Exception as err:  # collect, then raise the first with context
-                errors.append(err)
-        if self._on_done is not None:
-            self._on_done(errors)
-        elif errors:
-            raise errors[0]
+        for _ in range(min(state.queue_depth, len(self._pieces))):
+            state.queue.append((self, self._next_piece))
+            self._next_piece += 1
+            self._outstanding += 1
+        state.work.notify(self._outstanding)
+
+    def _piece_finished(self, error: AioError | None) -> bool:
+        """Book a finished piece, queue the next one; True when the request is complete."""
+        state = self._state
+        self._outstanding -= 1
+        if error is not None and self.error is None:
+            self.error = error
+        if self.error is None and self._next_piece < len(self._pieces):
+            state.queue.append((self, self._next_piece))
+            self._next_piece += 1
+            self._outstanding += 1
+            state.work.notify()
+        if self._outstanding == 0:
+            self._finish()
+            return True
+        return False
+
+    def _finish(self) -> None:
+        try:
+            self._on_finish(self)
+        finally:
+            self._view = None  # drop the reference to the caller's buffer
+            self._state.changed.notify_all()
+            self._event.set()
+
+    # --- the I/O itself (worker thread, no lock) ---------------------------------------
+
+    def _run_piece(self, index: int) -> AioError | None:
+        if self.error is not None:
+            return None  # an earlier piece failed: skip the rest
+        start, size = self._pieces[index]
+        piece = self._view[start : start + size]
+        file_offset = self._file_offset + start
+        fd = self._key.fd
+        try:
+            if self.kind == "write":
+                self._digests[index] = _digest(piece, start // ALIGNMENT)
+                done = os.pwritev(fd, [piece], file_offset)
+                if done != size:
+                    raise OSError(errno.EIO, f"short write: {done} of {size} bytes")
+            else:
+                done = os.preadv(fd, [piece], file_offset)
+                if done != size:
+                    raise OSError(errno.EIO, f"short read: {done} of {size} bytes (file truncated?)")
+            if not self._state.direct:
+                os.posix_fadvise(fd, file_offset, size, os.POSIX_FADV_DONTNEED)
+        except OSError as err:
+            return _io_error(self.kind, self._key, self._state.folder, self.nbytes, file_offset, err)
+        if self.kind == "read" and _digest(piece, start // ALIGNMENT) != int(self._digests[index]):
+            return AioChecksumError(
+                f"NVMe swap file {self._key.path} for {self.key!r} is corrupt: bytes {start:,}-{start + size - 1:,} "
+                f"of its {self.nbytes:,} (file offset {file_offset:,}) read back with a different checksum than "
+                f"was recorded when they were written; the data was not used. The disk or filesystem under "
+                f"nvme_path returned bad data, or something else modified the file."
+            )
+        return None
+
+
+def _io_error(kind: str, key: _Key, folder: str, nbytes: int, file_offset: int, err: OSError) -> AioError:
+    name = errno.errorcode.get(err.errno, str(err.errno)) if err.errno else type(err).__name__
+    padded = _round_up(nbytes, ALIGNMENT)
+    if key.lost is None:
+        kept = f"The last good copy of {key.name!r} is kept (each key keeps two copies);"
+    else:
+        kept = f"{key.name!r} had one copy (nvme_copies=1) and it is lost: the swap state is unusable;"
+    if err.errno == errno.ENOSPC:
+        return AioError(
+            f"NVMe swap {kind} of {key.name!r} ({human_bytes(nbytes)}, {padded:,} bytes on disk) to {key.path} "
+            f"failed: the disk under nvme_path ({os.path.dirname(folder)}) is full (ENOSPC); the write needed "
+            f"{padded:,} bytes. {kept} "
+            f"free space there or point nvme_path at a bigger disk"
+        )
+    where = "to" if kind == "write" else "from" if kind == "read" else "of"
+    outcome = {"write": kept, "read": "the data was not used"}.get(kind, "")
+    return AioError(
+        f"NVMe swap {kind} of {key.name!r} ({human_bytes(nbytes)}) {where} {key.path} at file offset "
+        f"{file_offset:,} failed: {name} ({err.strerror or err}){'; ' + outcome if outcome else ''}"
+    )
+
+
+def _worker(state: _State) -> None:
+    while True:
+        with state.lock:
+            while not state.queue:
+                if state.stopping:
+                    return
+                state.work.wait()
+            request, index = state.queue.popleft()
+            if state.pieces_running == 0:
+                state.busy_since = time.perf_counter()
+            state.pieces_running += 1
+        try:
+            error = request._run_piece(index)
+        except Exception as err:  # a bug, not an I/O error: still finish the request
+            error = AioError(f"NVMe swap {request.kind} of {request.key!r} failed: {type(err).__name__}: {err}")
+        with state.lock:
+            state.pieces_running -= 1
+            if state.pieces_running == 0:
+                state.busy_seconds += time.perf_counter() - state.busy_since
+            request._piece_finished(error)
+
+
+def _finalize(state: _State) -> None:
+    """The engine was garbage collected, or the interpreter exits: shut down (owner process only)."""
+    if os.getpid() != state.owner_pid:
+        return  # a forked child must not remove its parent's swap files
+    # A collection can run inside one of our own critical sections (any
+    # allocation may trigger it) or in a worker: never block on the lock or
+    # join ourselves there, hand the shutdown to a fresh thread instead.
+    if threading.current_thread() not in state.threads and state.lock.acquire(timeout=1.0):
+        state.lock.release()
+        _shutdown(state)
+    else:
+        threading.Thread(target=_shutdown, args=(state,), name="zinf-aio-shutdown").start()
+
+
+def _shutdown(state: _State) -> None:
+    """Finish queued work, stop the workers, close and remove the swap files."""
+    if os.getpid() != state.owner_pid:
+        return  # a forked child must not remove its parent's swap files
+    with state.lock:
+        state.stopping = True
+        state.closed = True
+        state.work.notify_all()
+    for thread in state.threads:
+        if thread is not threading.current_thread():
+            thread.join()
+    with state.lock:
+        for key in state.keys.values():
+            if key.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(key.fd)
+                key.fd = None
+        state.open_files.clear()
+    shutil.rmtree(state.folder, ignore_errors=True)
+
+
+def _probe_direct(folder: str) -> bool:
+    """Whether the filesystem under ``folder`` accepts O_DIRECT (tmpfs does not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(folder, "probe-o-direct")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as err:
+        if err.errno == errno.EINVAL:
+            return False
+        raise AioError(f"cannot create a swap file in {folder} (under nvme_path): "
+                       f"{errno.errorcode.get(err.errno, err.errno)} ({err.strerror})") from err
+    try:
+        block = mmap.mmap(-1, ALIGNMENT)  # page aligned
+        try:
+            os.pwrite(fd, block, 0)
+            os.preadv(fd, [block], 0)
+        except OSError as err:
+            if err.errno == errno.EINVAL:
+                return False
+            raise AioError(f"cannot write a swap file in {folder} (under nvme_path): "
+                           f"{errno.errorcode.get(err.errno, err.errno)} ({err.strerror})") from err
+        finally:
+            block.close()
+        return True
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _byte_view(buffer, writable: bool) -> memoryview:
+    view = buffer.memoryview() if hasattr(buffer, "memoryview") else memoryview(buffer)
+    if view.ndim != 1 or view.format != "B":
+        if not view.c_contiguous:
+            raise ValueError("aio buffers must be contiguous")
+        view = view.cast("B")
+    if writable and view.readonly:
+        raise ValueError("aio read needs a writable buffer")
+    return view
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
 class AioEngine:
+    """Swap files in a private folder under ``folder``; see the module docstring for the contract.
+
+    ``block_size``: bytes per piece (rounded up to 4096); ``queue_depth``:
+    pieces of one request queued or running at once; ``threads``: worker
+    threads doing the I/O.  Attributes: ``folder`` (the private folder),
+    ``direct``, ``backend``, ``bytes_written``, ``bytes_read``,
+    ``busy_seconds``.
+    """
+
     backend = "threads"
 
-    def __init__(self, folder: str, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4):
+    def __init__(self, folder: str, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4,
+                 copies: int = 2):
+        if block_size <= 0 or queue_depth < 1 or threads < 1 or copies not in (1, 2):
+            raise ValueError(f"aio settings out of range: block_size={block_size} (> 0), "
+                             f"queue_depth={queue_depth} (>= 1), threads={threads} (>= 1), copies={copies} "
+                             f"(1 or 2); see the options aio_block_size, aio_queue_depth, aio_threads, nvme_copies")
+        # copies=2: a write goes to the slot not holding the last good copy
+        # (the contract above).  copies=1 halves the disk: writes overwrite the
+        # only copy in place, so a failed write (or an aborted transaction)
+        # leaves that key *lost*: reading it raises, it is never taken as good.
+        self.copies = copies
         validate_folder(folder, 0)
+        self.root = folder
         self.block_size = _round_up(block_size, ALIGNMENT)
         self.queue_depth = queue_depth
+        self.threads = threads
         self.folder = tempfile.mkdtemp(prefix=f"zinf-swap-{os.getpid()}-", dir=folder)
-        os.chmod(self.folder, 0o700)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zinf-aio")
-        self._meta: dict[str, _KeyMeta] = {}
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.direct = True
-        self.bytes_written = 0
-        self.bytes_read = 0
-        self.busy_seconds = 0.0
-        self._closed = False
-        self._pending: dict | None = None  # key -> new metadata, inside a transaction
-        self._finalizer = weakref.finalize(self, _remove_folder, self.folder, self._fds)
-        atexit.register(self._finalizer)
-
-    # --- files -------------------------------------------------------------------
-
-    def path(self, key: str) -> str:
-        return os.path.join(self.folder, key.replace("/", "__") + ".swap")
-
-    def _fd(self, key: str) -> int:
-        with self._lock:
-            fd = self._fds.get(key)
-            if fd is not None:
-                return fd
-            flags = os.O_RDWR | os.O_CREAT
-            try:
-                fd = os.open(self.path(key), flags | getattr(os, "O_DIRECT", 0), 0o600)
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise self._error("open", key, 0, err) from err
-                # The filesystem refuses O_DIRECT (tmpfs): buffered I/O, cache dropped after each write.
-                self.direct = False
-                fd = os.open(self.path(key), flags, 0o600)
-            self._fds[key] = fd
-            return fd
-
-    def _error(self, what: str, key: str, nbytes: int, err: OSError) -> AioError:
-        name = errno.errorcode.get(err.errno, str(err.errno)) if err.errno else type(err).__name__
-        if err.errno == errno.ENOSPC:
-            return AioError(
-                f"NVMe swap {what} of {key!r} ({human_bytes(nbytes)}) failed: the disk under nvme_path "
-                f"({self.folder}) is full (ENOSPC); the last good copy of {key!r} is kept"
-            )
-        return AioError(f"NVMe swap {what} of {key!r} to {self.path(key)} ({human_bytes(nbytes)}) failed: {name}: {err}")
-
-    # --- transactions ------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def transaction(self):
-        """Writes inside become visible together, when the block ends without an error.
-
-        An optimizer step writes many keys; if one write fails (ENOSPC), every
-        key keeps its copy from before the step, so the state on disk is the
-        last good step, never a mix.  (Writes go to the other slot, so the old
-        copies are untouched until the commit switches to the new ones.)
-        """
-        if self._pending is not None:
-            raise AioError("nested swap transactions are not supported")
-        self._pending = {}
         try:
-            yield
+            os.chmod(self.folder, 0o700)
+            self.direct = _probe_direct(self.folder)
         except BaseException:
-            self._pending = None
+            shutil.rmtree(self.folder, ignore_errors=True)
             raise
-        pending, self._pending = self._pending, None
-        for meta, slot, nbytes, digest in pending.values():
-            meta.slot, meta.nbytes, meta.checksum = slot, nbytes, digest
+        self._state = _State(self.folder, self.direct, self.block_size, queue_depth)
+        # Registered before the threads start, so an error below still removes the folder.
+        self._finalizer = weakref.finalize(self, _finalize, self._state)
+        for index in range(threads):
+            thread = threading.Thread(target=_worker, args=(self._state,), name=f"zinf-aio-{index}", daemon=True)
+            thread.start()
+            self._state.threads.append(thread)
 
-    # --- transfers ---------------------------------------------------------------
+    # --- stats -----------------------------------------------------------------------
 
-    def _pieces(self, nbytes: int):
-        padded = _round_up(nbytes, ALIGNMENT)
-        for start in range(0, padded, self.block_size):
-            yield start, min(self.block_size, padded - start)
+    @property
+    def bytes_written(self) -> int:
+        return self._state.bytes_written
 
-    def write(self, key: str, buffer, nbytes: int) -> AioRequest:
-        """Write the first ``nbytes`` of ``buffer`` (a PinnedBuffer or memoryview, aligned) as ``key``."""
-        view = buffer.memoryview() if hasattr(buffer, "memoryview") else memoryview(buffer)
-        padded = _round_up(nbytes, ALIGNMENT)
-        if len(view) < padded:
-            raise ValueError(f"aio write of {key!r}: buffer of {len(view)} bytes, needs {padded} (aligned)")
-        with self._lock:
-            meta = self._meta.setdefault(key, _KeyMeta(capacity=padded))
-        if padded > meta.capacity:
-            raise AioError(f"NVMe swap write of {key!r}: {nbytes} bytes, but the key was created for {meta.capacity}")
-        # Write into the slot that does not hold the last good copy.
-        target_slot = 0 if meta.slot != 0 else 1
-        base = target_slot * meta.capacity
-        fd = self._fd(key)
-        digest = checksum(view, nbytes)
-        futures = [self._executor.submit(self._write_piece, fd, view[start : start + size], base + start, key, nbytes)
-                   for start, size in self._pieces(nbytes)]
+    @property
+    def bytes_read(self) -> int:
+        return self._state.bytes_read
 
-        def finish(errors):
-            if errors:
-                first = errors[0]
-                raise first if isinstance(first, AioError) else self._error("write", key, nbytes, first)
-            if self._pending is not None:
-                self._pending[key] = (meta, target_slot, nbytes, digest)  # applied at commit
-            else:
-                meta.slot, meta.nbytes, meta.checksum = target_slot, nbytes, digest
-            self.bytes_written += nbytes
-
-        return AioRequest(futures, finish)
-
-    def read(self, key: str, buffer, nbytes: int | None = None) -> AioRequest:
-        """Read ``key`` into ``buffer``; verifies the checksum recorded by its last good write."""
-        meta = self._meta.get(key)
-        if meta is None or meta.slot < 0:
-            raise AioError(f"NVMe swap read of {key!r}: nothing was written under this key")
-        nbytes = meta.nbytes if nbytes is None else nbytes
-        if nbytes != meta.nbytes:
-            raise AioError(f"NVMe swap read of {key!r}: asked for {nbytes} bytes, {meta.nbytes} were written")
-        view = buffer.memoryview() if hasattr(buffer, "memoryview") else memoryview(buffer)
-        if len(view) < _round_up(nbytes, ALIGNMENT):
-            raise ValueError(f"aio read of {key!r}: buffer of {len(view)} bytes is too small for {nbytes} (aligned)")
-        fd = self._fd(key)
-        base = meta.slot * meta.capacity
-        expected = meta.checksum
-        futures = [self._executor.submit(self._read_piece, fd, view[start : start + size], base + start, key, nbytes)
-                   for start, size in self._pieces(nbytes)]
-
-        def finish(errors):
-            if errors:
-                first = errors[0]
-                raise first if isinstance(first, AioError) else self._error("read", key, nbytes, first)
-            if checksum(view, nbytes) != expected:
-                raise AioChecksumError(
-                    f"NVMe swap file {self.path(key)} for {key!r} is corrupt: its checksum differs from the one "
-                    f"recorded when it was written; the data was not used"
-                )
-            self.bytes_read += nbytes
-
-        return AioRequest(futures, finish)
-
-    def _write_piece(self, fd: int, piece: memoryview, offset: int, key: str, nbytes: int) -> None:
-        started = time.perf_counter()
-        try:
-            written = os.pwritev(fd, [piece], offset)
-            if written != len(piece):
-                raise OSError(errno.EIO, f"short write ({written} of {len(piece)} bytes)")
-            if not self.direct:
-                os.posix_fadvise(fd, offset, len(piece), os.POSIX_FADV_DONTNEED)
-        except OSError as err:
-            raise self._error("write", key, nbytes, err) from err
-        finally:
-            self.busy_seconds += time.perf_counter() - started
-
-    def _read_piece(self, fd: int, piece: memoryview, offset: int, key: str, nbytes: int) -> None:
-        started = time.perf_counter()
-        try:
-            got = os.preadv(fd, [piece], offset)
-            if got != len(piece):
-                raise OSError(errno.EIO, f"short read ({got} of {len(piece)} bytes)")
-        except OSError as err:
-            raise self._error("read", key, nbytes, err) from err
-        finally:
-            self.busy_seconds += time.perf_counter() - started
-
-    # --- accounting and lifetime -------------------------------------------------
+    @property
+    def busy_seconds(self) -> float:
+        state = self._state
+        with state.lock:
+            running = time.perf_counter() - state.busy_since if state.pieces_running else 0.0
+            return state.busy_seconds + running
 
     def bytes_on_disk(self) -> int:
         """Bytes the swap files occupy (both slots of every key)."""
         total = 0
-        for key in list(self._fds):
-            try:
-                total += os.fstat(self._fds[key]).st_blocks * 512
-            except OSError:
-                pass
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.folder):
+                with contextlib.suppress(OSError):
+                    total += entry.stat().st_blocks * 512
         return total
 
+    # --- keys ------------------------------------------------------------------------
+
+    def path(self, key: str) -> str:
+        """The swap file of ``key`` (one file per key, both slots in it)."""
+        name = urllib.parse.quote(key, safe="")
+        if len(name) > 200:  # file names are limited to 255 bytes
+            name = name[:150] + "-" + hashlib.sha1(key.encode()).hexdigest()
+        return os.path.join(self.folder, name + ".swap")
+
+    def _check_open(self) -> None:
+        if self._state.closed:
+            raise AioError(f"NVMe swap engine for {self.folder} is closed")
+
+    def _key(self, key: str) -> _Key:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"swap keys are non-empty strings, got {key!r}")
+        self._check_open()
+        state = self._state
+        entry = state.keys.get(key)
+        if entry is None:
+            entry = state.keys[key] = _Key(key, self.path(key))
+        return entry
+
+    def _check_buffer(self, kind: str, key: str, view: memoryview, nbytes: int) -> None:
+        padded = _round_up(nbytes, ALIGNMENT)
+        if nbytes < 0:
+            raise ValueError(f"aio {kind} of {key!r}: negative size {nbytes}")
+        if len(view) < padded:
+            raise ValueError(f"aio {kind} of {key!r}: the buffer has {len(view):,} bytes, but {nbytes:,} bytes are "
+                             f"padded to {padded:,} (a multiple of {ALIGNMENT}) for O_DIRECT; use a PinnedPool block")
+        if self.direct and padded and _address(view) % ALIGNMENT:
+            raise ValueError(f"aio {kind} of {key!r}: O_DIRECT needs a buffer aligned to {ALIGNMENT} bytes; "
+                             f"use a PinnedPool block")
+
+    # --- transfers ---------------------------------------------------------------------
+
+    def write(self, key: str, buffer, nbytes: int) -> AioRequest:
+        """Start writing the first ``nbytes`` of ``buffer`` (a PinnedBuffer or memoryview) as ``key``.
+
+        The buffer must hold ``nbytes`` rounded up to 4096 (those bytes are
+        written and checksummed) and stay untouched until ``wait()``.  Waits
+        first while an earlier write of the same key is in flight.
+        """
+        self._check_open()
+        view = _byte_view(buffer, writable=False)
+        self._check_buffer("write", key, view, nbytes)
+        padded = _round_up(nbytes, ALIGNMENT)
+        state = self._state
+        with state.lock:
+            entry = self._key(key)
+            while True:
+                if self.copies == 1:
+                    target = 0
+                else:
+                    target = 0 if entry.committed is None else 1 - entry.committed.slot
+                if not entry.writing and entry.reads[target] == 0:
+                    break
+                state.changed.wait()
+                entry = self._key(key)  # raises if closed meanwhile
+            if self.copies == 1:
+                # The only copy is overwritten from here on: until this write
+                # (and its transaction) completes, the key has no good copy.
+                if entry.committed is not None:
+                    entry.committed = None
+                    entry.lost = (f"its only copy was being overwritten (nvme_copies=1) when the write "
+                                  f"failed or its transaction was aborted")
+            region = entry.regions[target]
+            if region is None or region[1] < padded:
+                # First write, or the key grew: a new region at the end of the file.
+                region = entry.regions[target] = (entry.file_end, padded)
+                entry.file_end += padded
+            state.acquire_fd(entry)
+            entry.writing = True
+            transaction = state.transaction
+            if transaction is not None:
+                transaction.pending.pop(key, None)  # that copy's slot is being overwritten
+                transaction.open_writes += 1
+
+            def on_finish(request: AioRequest) -> None:
+                entry.writing = False
+                state.release_fd(entry)
+                if transaction is not None:
+                    transaction.open_writes -= 1
+                if request.error is not None:
+                    if transaction is not None and transaction.failure is None:
+                        transaction.failure = request.error
+                    return
+                copy = _Copy(target, nbytes, request._digests)
+                if transaction is None:
+                    entry.committed = copy
+                    entry.lost = None
+                elif transaction.state == "open":
+                    transaction.pending[key] = copy
+                state.bytes_written += nbytes
+
+            request = AioRequest(state, "write", entry, view, nbytes, region[0], None, on_finish)
+            request._submit()
+        return request
+
+    def read(self, key: str, into, nbytes: int | None = None) -> AioRequest:
+        """Start reading ``key`` into ``into`` (a PinnedBuffer or writable memoryview).
+
+        ``nbytes`` (default: the size written) must equal the size of the
+        key's last good write; ``into`` must hold it rounded up to 4096.
+        The checksums recorded at write time are verified.
+        """
+        self._check_open()
+        view = _byte_view(into, writable=True)
+        state = self._state
+        with state.lock:
+            self._check_open()
+            entry = state.keys.get(key)
+            transaction = state.transaction
+            copy = transaction.pending.get(key) if transaction is not None else None
+            copy = copy or (entry.committed if entry is not None else None)
+            if copy is None:
+                if entry is not None and entry.lost is not None:
+                    raise AioError(f"NVMe swap read of {key!r}: the key has no good copy: {entry.lost}; "
+                                   f"the state in {self.folder} is unusable (nvme_copies=2 keeps the last good "
+                                   f"copy through a failed write)")
+                raise AioError(f"NVMe swap read of {key!r}: no write of this key has completed")
+            if nbytes is None:
+                nbytes = copy.nbytes
+            if nbytes != copy.nbytes:
+                raise AioError(f"NVMe swap read of {key!r}: asked for {nbytes:,} bytes, {copy.nbytes:,} were written")
+            self._check_buffer("read", key, view, nbytes)
+            state.acquire_fd(entry)
+            entry.reads[copy.slot] += 1
+
+            def on_finish(request: AioRequest) -> None:
+                entry.reads[copy.slot] -= 1
+                state.release_fd(entry)
+                if request.error is None:
+                    state.bytes_read += nbytes
+
+            request = AioRequest(state, "read", entry, view, nbytes, entry.regions[copy.slot][0], copy.digests,
+                                 on_finish)
+            request._submit()
+        return request
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """Writes inside become the keys' good copies together, when the block ends without an error.
+
+        An optimizer step writes many keys; if one write fails (ENOSPC), every
+        key keeps its copy from before the step, so the state on disk is the
+        last good step, never a mix.  Leaving the block waits for the writes
+        started in it; if any failed (even one whose error the block caught),
+        nothing is committed and :class:`AioError` is raised.  Inside, reads
+        see the block's completed writes.  One transaction per engine at a time.
+        """
+        state = self._state
+        with state.lock:
+            if state.transaction is not None:
+                raise AioError("nested swap transactions are not supported")
+            transaction = state.transaction = _Transaction()
+        ok = False
+        try:
+            yield transaction
+            ok = True
+        finally:
+            with state.lock:
+                state.transaction = None
+                if not ok:
+                    transaction.state = "aborted"
+                else:
+                    while transaction.open_writes:
+                        state.changed.wait()
+                    if transaction.failure is not None:
+                        transaction.state = "aborted"
+                        raise AioError(f"swap transaction not committed, every key keeps its previous copy: "
+                                       f"{transaction.failure}") from transaction.failure
+                    for key, copy in transaction.pending.items():
+                        state.keys[key].committed = copy
+                        state.keys[key].lost = None
+                    transaction.state = "committed"
+
     def forget(self, key: str) -> None:
-        with self._lock:
-            self._meta.pop(key, None)
-            fd = self._fds.pop(key, None)
-        if fd is not None:
-            os.close(fd)
-            os.unlink(self.path(key))
+        """Drop ``key`` and delete its file (after its in-flight transfers finish)."""
+        state = self._state
+        with state.lock:
+            entry = state.keys.get(key)
+            if entry is None:
+                return
+            while entry.writing or any(entry.reads):
+                state.changed.wait()
+            del state.keys[key]
+            if state.transaction is not None:
+                state.transaction.pending.pop(key, None)
+            if entry.fd is not None:
+                os.close(entry.fd)
+                state.open_files.pop(key, None)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+
+    # --- lifetime ----------------------------------------------------------------------
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._executor.shutdown(wait=True)
-            self._finalizer()
+        """Finish the transfers in flight, then remove the swap folder (idempotent)."""
+        if self._finalizer.detach() is not None:
+            _shutdown(self._state)
 
+    def __enter__(self) -> "AioEngine":
+        return self
 
-def _remove_folder(folder: str, fds: dict) -> None:
-    for fd in list(fds.values()):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
-    shutil.rmtree(folder, ignore_errors=True)
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"AioEngine({self.folder!r}, backend={self.backend}, direct={self.direct}, "
+                f"block_size={self.block_size}, queue_depth={self.queue_depth}, threads={self.threads})")

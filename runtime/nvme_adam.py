@@ -2,7 +2,9 @@
 
 Each nvme-tier parameter slice keeps its fp32 master and its two moments in
 swap files, split into sub-groups of at most ``SUB_GROUP_NUMEL`` elements
-(keys ``master.<uid>.<i>``, ``exp_avg.<uid>.<i>``, ``exp_avg_sq.<uid>.<i>``).
+(keys ``master.<uid>.<i>``, ``exp_avg.<uid>.<i>``, ``exp_avg_sq.<uid>.<i>``);
+the reduced gradient waits in ``grad.<uid>.<i>`` (written by the store
+during backward).
 A step walks the sub-groups in order: the reads of group i+1 are in flight
 while group i is updated (torch's fused CPU Adam kernel) and the writes of
 group i-1 drain, so disk and compute overlap.  Updated low-precision
@@ -59,10 +61,10 @@ class NvmeAdam:
 
     def _start_reads(self, group: _Group, first_step: bool) -> None:
         nbytes = group.numel * 4
-        pool, engine = self.store._pool(3 * nbytes), group.record.swap
-        for name in STATE_NAMES:
+        pool, engine = self.store._pool(4 * nbytes), group.record.swap
+        for name in STATE_NAMES + ("grad",):
             group.buffers[name] = pool.acquire(nbytes, timeout=self.store_wait_seconds)
-            if name != "master" and first_step:
+            if name in ("exp_avg", "exp_avg_sq") and first_step:
                 group.buffers[name].tensor(torch.float32, group.numel).zero_()
             else:
                 key = state_key(name, group.record.uid, group.index)
@@ -73,12 +75,13 @@ class NvmeAdam:
         plan = []
         for slot, hyper in zip(slots, hyper_by_slot):
             record = slot.record
-            if not record.owns_state or record.grad_shard is None:
+            if not record.owns_state or not record.has_grad:
                 continue
             for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
                 plan.append((_Group(record, index, start, stop), hyper))
         if not plan:
             return
+        self.store.finish_grad_writes()
         param_staging = {}  # uid -> PinnedBuffer holding the updated shard in compute dtype (nvme param tier)
         pending_writes: list[tuple[_Group, list]] = []
         self._start_reads(plan[0][0], self.steps.get(plan[0][0].record.uid, 0) == 0)
@@ -89,11 +92,14 @@ class NvmeAdam:
                 self._start_reads(upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
             for request in group.requests:
                 request.wait()
-            master, exp_avg, exp_avg_sq = (group.buffers[name].tensor(torch.float32, group.numel) for name in STATE_NAMES)
+            master, exp_avg, exp_avg_sq, grad = (group.buffers[name].tensor(torch.float32, group.numel)
+                                                 for name in STATE_NAMES + ("grad",))
+            if record.grad_multiplier != 1.0:
+                grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
             step_count = self.steps.get(record.uid, 0) + 1
             kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
             beta1, beta2 = hyper["betas"]
-            kernel([master], [record.grad_shard[group.start : group.stop]], [exp_avg], [exp_avg_sq], [],
+            kernel([master], [grad], [exp_avg], [exp_avg_sq], [],
                    [torch.tensor(float(step_count))], lr=float(hyper["lr"]), beta1=beta1, beta2=beta2,
                    weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False)
             writes = [record.swap.write(state_key(name, record.uid, group.index), group.buffers[name], group.numel * 4)
@@ -130,10 +136,9 @@ class NvmeAdam:
             buffer.release()
 
     def state_bytes_on_disk(self, records) -> int:
-        """Bytes of master + moments these records keep in swap files."""
-        total = 0
-        for record in records:
-            if record.owns_state:
-                stored = 3 if self.steps.get(record.uid, 0) > 0 else 1  # moments appear at the first step
-                total += stored * record.local_numel * 4
-        return total
+        """Bytes of the two moments these records keep in swap files (they appear at the first step).
+
+        The fp32 masters there are the store's, counted by ``memory_report``.
+        """
+        return sum(2 * record.local_numel * 4 for record in records
+                   if record.owns_state and self.steps.get(record.uid, 0) > 0)

@@ -24,12 +24,16 @@ import torch
 
 from .aio import AioEngine
 from .comm import COMM, Comm
-from .nvme_adam import SUB_GROUP_NUMEL, write_initial_master
+from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
 
 # A transfer waiting this long for pinned memory means the pool is too small
 # for what is in flight: an error naming pinned_bytes beats a hang.
 POOL_WAIT_SECONDS = 120.0
+# Gradient sub-groups being written to swap at once (nvme optimizer tier):
+# enough to keep the disk busy while backward goes on, few enough that the
+# pinned pool's optimizer share covers them.
+GRAD_WRITES_IN_FLIGHT = 2
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +64,14 @@ class ParamRecord:
     # fp32 master of this rank's slice for device/cpu optimizer tiers (the
     # shard itself when they coincide); None for the nvme tier (swap files).
     master: torch.Tensor | None = None
-    grad_shard: torch.Tensor | None = None  # fp32 on the optimizer's tier (CPU for nvme), accumulated
+    grad_shard: torch.Tensor | None = None  # fp32 on the optimizer's device/cpu tier, accumulated
+    # nvme optimizer tier: the accumulated fp32 gradient slice is in the swap
+    # files ``grad.<uid>.<i>`` (one per optimizer sub-group) instead of memory;
+    # its squared norm is kept for clipping, which scales it lazily by
+    # ``grad_multiplier`` when the step reads it.
+    grad_on_disk: bool = False
+    grad_sq_norm: float = 0.0
+    grad_multiplier: float = 1.0
     swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
     _gathers: list = dataclasses.field(default_factory=list)  # in-flight (work, buffer)
     _reduces: list = dataclasses.field(default_factory=list)  # in-flight (work, out, staging)
@@ -100,6 +111,10 @@ class ParamRecord:
         return self.param.device
 
     @property
+    def has_grad(self) -> bool:
+        return self.grad_shard is not None or self.grad_on_disk
+
+    @property
     def shard_bytes(self) -> int:
         return self.local_numel * self.compute_dtype.itemsize
 
@@ -121,6 +136,8 @@ class ParamStore:
         self._engines: dict[str, AioEngine] = {}
         self.pinned: PinnedPool | None = None
         self._offload_settings: dict = {}
+        self._largest_shard_numel = 0  # of every parameter planned for offload (sizes the pinned pool)
+        self._grad_writes: list = []  # in-flight gradient swap writes: (request, pinned buffer)
         # Bytes held per tier: resting state (shards, grads, optimizer state)
         # and transient (gathered parameters, in-flight buffers), with peaks.
         self.resting = {"device": 0, "cpu": 0}
@@ -131,7 +148,7 @@ class ParamStore:
     # --- offload resources -------------------------------------------------------
 
     def configure_offload(self, nvme_path: str | None, pinned_bytes, aio_block_size: int, aio_queue_depth: int,
-                          aio_threads: int) -> None:
+                          aio_threads: int, nvme_copies: int = 2) -> None:
         """Settings for the parameters adopted next: their swap folder and the pinned pool."""
         if self.pinned is not None and pinned_bytes not in ("auto", self.pinned.capacity_bytes):
             raise ZinfStoreError(
@@ -139,7 +156,8 @@ class ParamStore:
                 f"{self.pinned.capacity_bytes:,} bytes; use one pinned_bytes per process"
             )
         self._offload_settings = dict(nvme_path=nvme_path, pinned_bytes=pinned_bytes, aio_block_size=aio_block_size,
-                                      aio_queue_depth=aio_queue_depth, aio_threads=aio_threads)
+                                      aio_queue_depth=aio_queue_depth, aio_threads=aio_threads,
+                                      nvme_copies=nvme_copies)
 
     def _engine_for(self, nvme_path: str) -> AioEngine:
         """One swap engine per nvme_path (two models may swap to different disks)."""
@@ -148,22 +166,31 @@ class ParamStore:
             settings = self._offload_settings
             engine = self._engines[nvme_path] = AioEngine(
                 nvme_path, block_size=settings["aio_block_size"], queue_depth=settings["aio_queue_depth"],
-                threads=settings["aio_threads"])
+                threads=settings["aio_threads"], copies=settings.get("nvme_copies", 2))
+        elif engine.copies != self._offload_settings.get("nvme_copies", engine.copies):
+            raise ZinfStoreError(
+                f"nvme_copies={self._offload_settings['nvme_copies']} asked for {nvme_path}, whose swap engine "
+                f"was made with nvme_copies={engine.copies}; use one value per nvme_path")
         return engine
 
     def engines(self) -> list[AioEngine]:
         return list(self._engines.values())
+
+    def plan_shards(self, largest_shard_numel: int) -> None:
+        """Before adoption: the largest slice any offloaded parameter will have (sizes the pool)."""
+        self._largest_shard_numel = max(self._largest_shard_numel, largest_shard_numel)
 
     def _pool(self, at_least: int) -> PinnedPool:
         if self.pinned is None:
             wanted = self._offload_settings.get("pinned_bytes", "auto")
             if wanted == "auto":
                 # Two of the largest fp32 slices (a fetch in flight while the
-                # optimizer stages one) plus the optimizer's nine sub-group
-                # buffers (three groups of master and two moments in flight).
-                largest = max([r.local_numel * 4 for r in self._records.values()] + [at_least])
+                # optimizer stages one) plus the optimizer's twelve sub-group
+                # buffers (three groups of master, two moments and gradient in flight).
+                largest = max([r.local_numel * 4 for r in self._records.values()]
+                              + [at_least, self._largest_shard_numel * 4])
                 group = min(largest, SUB_GROUP_NUMEL * 4)
-                wanted = max(64 << 20, 2 * largest + 9 * group)
+                wanted = max(64 << 20, 2 * largest + 12 * group)
             self.pinned = PinnedPool(int(wanted))
             self._add_resting("cpu", self.pinned.capacity_bytes)
         return self.pinned
@@ -262,7 +289,7 @@ class ParamStore:
         if record.stage == 0:
             return
         if record.opt_tier == "nvme":
-            if record.owns_state:
+            if record.owns_state and record.trainable:  # a frozen parameter is never stepped
                 write_initial_master(self, record, local_fp32)
             return
         if record.param_tier == record.opt_tier and record.compute_dtype == torch.float32:
@@ -434,6 +461,9 @@ class ParamStore:
         if record.compute_dtype == torch.float16:
             out = out.to(torch.float32) / self.fp16_scaler.scale
             self.fp16_scaler.check(out)
+        if record.opt_tier == "nvme":
+            self._swap_grad(record, out)
+            return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         if record.grad_shard is None:
             record.grad_shard = out.to(device=grad_device, dtype=torch.float32, copy=True)
@@ -452,11 +482,65 @@ class ParamStore:
             self.reduce_grad_wait(record.uid)
             record.param.grad = None
 
+    def _swap_grad(self, record: ParamRecord, reduced: torch.Tensor) -> None:
+        """nvme optimizer tier: add a reduced gradient slice to its swap files, sub-group by sub-group.
+
+        The optimizer step streams the gradient from there along with the
+        master and moments, so no gradient shard stays in memory.  Writes run
+        in the background, at most GRAD_WRITES_IN_FLIGHT sub-groups at once;
+        :meth:`finish_grad_writes` drains them.
+        """
+        reduced = reduced.to(device="cpu", dtype=torch.float32)
+        if record.grad_on_disk:
+            # Accumulating: a read must see the previous backward's writes.
+            self.finish_grad_writes()
+        sq_norm = 0.0
+        for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
+            numel, key = stop - start, state_key("grad", record.uid, index)
+            self._drain_grad_writes(GRAD_WRITES_IN_FLIGHT - 1)
+            staging = self._pool(numel * 4).acquire(numel * 4, timeout=POOL_WAIT_SECONDS)
+            try:
+                group = staging.tensor(torch.float32, numel)
+                if record.grad_on_disk:
+                    record.swap.read(key, staging, numel * 4).wait()
+                    group.add_(reduced[start:stop])
+                else:
+                    group.copy_(reduced[start:stop])
+                sq_norm += float(torch.linalg.vector_norm(group, dtype=torch.float64)) ** 2
+                self._grad_writes.append((record.swap.write(key, staging, numel * 4), staging))
+            except BaseException:
+                if not self._grad_writes or self._grad_writes[-1][1] is not staging:
+                    staging.release()
+                raise
+        record.grad_on_disk = True
+        record.grad_sq_norm = sq_norm
+        record.grad_multiplier = 1.0
+
+    def _drain_grad_writes(self, keep: int) -> None:
+        while len(self._grad_writes) > keep:
+            request, staging = self._grad_writes.pop(0)
+            try:
+                request.wait()
+            finally:
+                staging.release()
+
+    def finish_grad_writes(self) -> None:
+        """Wait for every gradient swap write in flight (before the step reads them)."""
+        self._drain_grad_writes(0)
+
     def drop_grads(self, records: Iterable[ParamRecord]) -> None:
         for record in records:
             if record.grad_shard is not None:
                 self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.grad_shard))
                 record.grad_shard = None
+            if record.grad_on_disk:
+                self.finish_grad_writes()
+                # Delete the files: the disk then holds what memory_report says.
+                for index in range(len(sub_groups(record.local_numel))):
+                    record.swap.forget(state_key("grad", record.uid, index))
+                record.grad_on_disk = False
+                record.grad_sq_norm = 0.0
+                record.grad_multiplier = 1.0
 
     # --- after the optimizer step -----------------------------------------------
 
@@ -470,7 +554,8 @@ class ParamStore:
 
     def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""
-        records = [r for r in records if r.stage in (1, 2)]
+        # Frozen parameters never change: nothing to rebuild, no collective to pay.
+        records = [r for r in records if r.stage in (1, 2) and r.trainable]
         for record in records:
             self.gather_start(record.uid)
         for record in records:

@@ -40,13 +40,19 @@ class Comparison:
 ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
 
 
-def compare_training(cfg: GPTConfig, options: dict, steps: int = 5, batch_size: int = 4, seed: int = 0) -> Comparison:
+def compare_training(cfg: GPTConfig, options: dict | None, steps: int = 5, batch_size: int = 4, seed: int = 0) -> Comparison:
+    """Train eager and compiled copies side by side.  ``options=None``: plain ``torch.compile`` (Inductor)
+    with torch's fused AdamW, the yardstick for what compilation alone changes."""
     torch.manual_seed(seed)
     eager_model = GPT(cfg)
     zinf_model = copy.deepcopy(eager_model)
-    compiled = torch.compile(zinf_model, backend="zinf", options=options)
+    if options is None:
+        compiled = torch.compile(zinf_model)
+        zinf_opt = torch.optim.AdamW(zinf_model.parameters(), **ADAMW)
+    else:
+        compiled = torch.compile(zinf_model, backend="zinf", options=options)
+        zinf_opt = zinf.optim.AdamW(zinf_model.parameters(), **ADAMW)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), **ADAMW)
-    zinf_opt = zinf.optim.AdamW(zinf_model.parameters(), **ADAMW)
     eager_losses, zinf_losses = [], []
     for idx, targets in synthetic_batches(cfg, batch_size, steps, seed=seed):
         loss = eager_model(idx, targets)
@@ -61,7 +67,7 @@ def compare_training(cfg: GPTConfig, options: dict, steps: int = 5, batch_size: 
         zinf_opt.zero_grad()
         zinf_losses.append(loss.item())
     # zinf_model's own parameters hold no memory at stage 3: gather them.
-    zinf_state = zinf.full_state_dict(compiled)
+    zinf_state = zinf.full_state_dict(compiled) if options is not None else dict(zinf_model.named_parameters())
     param_errors = {}
     for name, expected in eager_model.named_parameters():
         scale = expected.detach().abs().max().clamp_min(1e-12)

@@ -1,10 +1,8 @@
-"""The swap engine (runtime/aio.py) and the pinned pool (runtime/pinned.py)."""
+"""The swap engine (runtime/aio.py): O_DIRECT swap files, async requests, checksums, failure handling."""
 
 import errno
 import os
 import stat
-import threading
-import time
 
 import pytest
 import torch
@@ -16,155 +14,364 @@ from zinf_compiler.runtime.pinned import PinnedPool
 
 @pytest.fixture
 def engine(tmp_path):
-    engine = AioEngine(str(tmp_path), block_size=64 * 1024, threads=3)
+    engine = AioEngine(str(tmp_path), block_size=64 * 1024, queue_depth=3, threads=3)
     yield engine
     engine.close()
 
 
-def _fill(pool, numel, seed):
-    buffer = pool.acquire(numel * 4)
-    buffer.tensor(torch.float32, numel).copy_(torch.randn(numel, generator=torch.Generator().manual_seed(seed)))
-    return buffer
+@pytest.fixture(scope="module")
+def pool():
+    return PinnedPool(16 << 20)
 
 
-def test_round_trip_many_requests_in_flight(engine):
-    pool = PinnedPool(8 << 20)
-    sizes = [1, 1000, 4097, 70_001, 300_000]  # not multiples of the 4096-byte alignment
-    buffers = [_fill(pool, n, i) for i, n in enumerate(sizes)]
-    expected = [b.tensor(torch.float32, n).clone() for b, n in zip(buffers, sizes)]
-    writes = [engine.write(f"key{i}", b, n * 4) for i, (b, n) in enumerate(zip(buffers, sizes))]
+def _random_buffer(pool, numel, seed, dtype=torch.float32):
+    buffer = pool.acquire(numel * dtype.itemsize)
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    buffer.tensor(dtype, numel).copy_(values)
+    return buffer, values
+
+
+def test_round_trip_odd_sizes_many_requests_in_flight(engine, pool):
+    # Sizes that are not multiples of 4096, some spanning many 64 KiB pieces.
+    cases = [(1, torch.float32), (1000, torch.bfloat16), (4097, torch.float32), (70_001, torch.float16),
+             (300_001, torch.float32), (3, torch.int64), (123_457, torch.float32)]
+    buffers = [_random_buffer(pool, numel, seed, dtype) for seed, (numel, dtype) in enumerate(cases)]
+    writes = [engine.write(f"param.{i}", buffer, numel * dtype.itemsize)
+              for i, ((numel, dtype), (buffer, _)) in enumerate(zip(cases, buffers))]
     for request in writes:
         request.wait()
-    for buffer, n in zip(buffers, sizes):
-        buffer.tensor(torch.float32, n).zero_()
-    reads = [engine.read(f"key{i}", b, n * 4) for i, (b, n) in enumerate(zip(buffers, sizes))]
-    for request in reads:
+        assert request.done()
+    for buffer, _ in buffers:
+        buffer.memoryview()[:] = bytes(buffer.nbytes)
+    reads = [engine.read(f"param.{i}", buffer, numel * dtype.itemsize)
+             for i, ((numel, dtype), (buffer, _)) in enumerate(zip(cases, buffers))]
+    for request in reversed(reads):
         request.wait()
-    for buffer, n, want in zip(buffers, sizes, expected):
-        assert torch.equal(buffer.tensor(torch.float32, n), want)
-    assert engine.bytes_written == engine.bytes_read == 4 * sum(sizes)
+    for (numel, dtype), (buffer, values) in zip(cases, buffers):
+        assert torch.equal(buffer.tensor(dtype, numel), values)
+        buffer.release()
+    total = sum(numel * dtype.itemsize for numel, dtype in cases)
+    assert engine.bytes_written == engine.bytes_read == total
+    assert engine.busy_seconds > 0 and engine.backend == "threads"
 
 
-def test_private_folder_and_files_removed_at_close(tmp_path):
+def test_rewrites_alternate_slots_and_reads_see_the_newest(engine, pool):
+    values = []
+    with pool.acquire(100_000) as buffer:
+        for seed in range(4):
+            data = torch.randn(25_000, generator=torch.Generator().manual_seed(seed))
+            buffer.tensor(torch.float32, 25_000).copy_(data)
+            engine.write("state", buffer, 100_000).wait()
+            values.append(data)
+        buffer.memoryview()[:] = bytes(buffer.nbytes)
+        engine.read("state", buffer).wait()  # nbytes defaults to the size written
+        assert torch.equal(buffer.tensor(torch.float32, 25_000), values[-1])
+        # A smaller write reuses the key's slots; a larger one grows the file.
+        engine.write("state", buffer, 10).wait()
+        with pytest.raises(AioError, match="asked for 100,000 bytes, 10 were written"):
+            engine.read("state", buffer, 100_000)
+        with pool.acquire(300_000) as big:
+            engine.write("state", big, 300_000).wait()
+            engine.read("state", big, 300_000).wait()
+
+
+def test_plain_memoryviews_and_buffer_checks(tmp_path):
+    import mmap
+
+    with AioEngine(str(tmp_path)) as engine:
+        region = mmap.mmap(-1, 3 * 4096)  # page aligned
+        region[:5] = b"hello"
+        engine.write("raw", memoryview(region), 5).wait()
+        region[:5] = b"xxxxx"
+        engine.read("raw", memoryview(region)).wait()
+        assert region[:5] == b"hello"
+        with pytest.raises(ValueError, match="padded to 8,192"):
+            engine.write("raw", memoryview(region)[:4100], 4097)
+        if engine.direct:
+            with pytest.raises(ValueError, match="aligned"):
+                engine.write("raw", memoryview(region)[1:4097], 4096)
+        with pytest.raises(AioError, match="no write of this key"):
+            engine.read("never", memoryview(region), 5)
+
+
+def test_private_folder_file_modes_and_removal_at_close(tmp_path, pool):
     engine = AioEngine(str(tmp_path))
-    pool = PinnedPool(1 << 20)
-    engine.write("a", _fill(pool, 100, 0), 400).wait()
+    assert os.path.dirname(engine.folder) == str(tmp_path)
+    assert os.path.basename(engine.folder).startswith(f"zinf-swap-{os.getpid()}-")
     assert stat.S_IMODE(os.stat(engine.folder).st_mode) == 0o700
-    assert stat.S_IMODE(os.stat(engine.path("a")).st_mode) == 0o600
+    with pool.acquire(400) as buffer:
+        engine.write("a/b", buffer, 400).wait()
+    path = engine.path("a/b")
+    assert os.path.dirname(path) == engine.folder and path != engine.path("a__b")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert engine.bytes_on_disk() >= 4096
     engine.close()
-    assert not os.path.exists(engine.folder)
+    assert not os.path.exists(engine.folder) and os.listdir(tmp_path) == []
+    engine.close()  # idempotent
+    with pytest.raises(AioError, match="closed"):
+        engine.write("a/b", bytearray(4096), 1)
 
 
-def test_validate_folder_errors(tmp_path, monkeypatch):
-    with pytest.raises(AioError, match="does not exist.*mkdir"):
+def test_folder_removed_when_the_engine_is_garbage_collected(tmp_path):
+    import gc
+
+    engine = AioEngine(str(tmp_path))
+    folder = engine.folder
+    del engine
+    gc.collect()
+    assert not os.path.exists(folder)
+
+
+def test_o_direct_is_used_on_a_real_disk(tmp_path):
+    with AioEngine(str(tmp_path)) as engine:
+        probe_ok = aio_module._probe_direct(engine.folder)
+        assert engine.direct == probe_ok
+
+
+def test_validate_folder_missing_and_not_a_folder(tmp_path):
+    with pytest.raises(AioError, match=r"nvme_path .*missing' does not exist; create it first \(mkdir -p"):
         validate_folder(str(tmp_path / "missing"), 1)
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    with pytest.raises(AioError, match="not a folder"):
+    with pytest.raises(AioError, match="nvme_path .* is not a folder"):
         validate_folder(str(a_file), 1)
+    with pytest.raises(AioError, match="needs the option nvme_path"):
+        validate_folder(None, 1)
+    validate_folder(str(tmp_path), 1)  # fine
+
+
+def test_validate_folder_not_writable_simulated(tmp_path, monkeypatch):
     monkeypatch.setattr(aio_module.os, "access", lambda path, mode: False)
-    with pytest.raises(AioError, match="not writable"):
+    with pytest.raises(AioError, match="nvme_path .* is not writable"):
         validate_folder(str(tmp_path), 1)
-    monkeypatch.undo()
-    free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
-    with pytest.raises(AioError, match=r"nvme_path .* free .* needs") as err:
-        validate_folder(str(tmp_path), free * 2)
-    assert f"{free * 2:,}" in str(err.value)
 
 
-def test_enospc_mid_write_keeps_the_last_good_copy(engine, monkeypatch):
-    pool = PinnedPool(1 << 20)
-    good = _fill(pool, 50_000, 1)
-    good_values = good.tensor(torch.float32, 50_000).clone()
-    engine.write("state", good, 200_000).wait()
-    calls = {"n": 0}
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode-0500 folder anyway; covered by the simulated case")
+def test_validate_folder_not_writable_for_real(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(AioError, match="not writable"):
+        validate_folder(str(locked), 1)
+
+
+def test_validate_folder_too_small_disk(tmp_path, monkeypatch):
+    real_statvfs = os.statvfs
+
+    def small_disk(path):  # 3.2 GiB free in 4 KiB blocks
+        fields = list(real_statvfs(path))
+        fields[0] = fields[1] = 4096  # f_bsize, f_frsize
+        fields[4] = int(3.2 * 2**30) // 4096  # f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(aio_module.os, "statvfs", small_disk)
+    with pytest.raises(AioError, match=r"nvme_path .* needs 12\.0 GiB \(12,884,901,888 bytes\), 3\.2 GiB free"):
+        validate_folder(str(tmp_path), 12 << 30)
+    validate_folder(str(tmp_path), 3 << 30)
+
+
+def test_enospc_mid_write_keeps_the_previous_good_copy(engine, pool, monkeypatch):
+    good, good_values = _random_buffer(pool, 50_000, 1)
+    engine.write("state", good, 200_000).wait()  # 4 pieces of 64 KiB
+    calls = []
     real_pwritev = os.pwritev
 
-    def failing_pwritev(fd, buffers, offset):
-        calls["n"] += 1
-        if calls["n"] == 2:
+    def disk_fills_up(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) >= 2:  # the first piece lands, then the disk is full
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwritev(fd, buffers, offset)
 
-    monkeypatch.setattr(aio_module.os, "pwritev", failing_pwritev)
-    newer = _fill(pool, 50_000, 2)
-    with pytest.raises(AioError, match="full .ENOSPC.*last good copy"):
-        engine.write("state", newer, 200_000).wait()
+    monkeypatch.setattr(aio_module.os, "pwritev", disk_fills_up)
+    newer, _ = _random_buffer(pool, 50_000, 2)
+    request = engine.write("state", newer, 200_000)
+    with pytest.raises(AioError) as err:
+        request.wait()
+    message = str(err.value)
+    assert "'state'" in message and engine.path("state") in message
+    assert "disk under nvme_path" in message and "is full (ENOSPC)" in message and "200,704 bytes" in message
+    assert "last good copy of 'state' is kept" in message
+    with pytest.raises(AioError):  # wait() keeps reporting the failure
+        request.wait()
     monkeypatch.undo()
-    newer.tensor(torch.float32, 50_000).zero_()
+    newer.memoryview()[:] = bytes(newer.nbytes)
     engine.read("state", newer, 200_000).wait()
     assert torch.equal(newer.tensor(torch.float32, 50_000), good_values)
+    assert engine.bytes_written == 200_000
+    good.release()
+    newer.release()
 
 
-def test_transaction_commits_all_or_nothing(engine):
-    pool = PinnedPool(1 << 20)
-    first, second = _fill(pool, 1000, 1), _fill(pool, 1000, 2)
+def test_other_os_errors_name_key_file_and_errno(engine, pool, monkeypatch):
+    with pool.acquire(8192) as buffer:
+        engine.write("k", buffer, 8192).wait()
+
+        def broken(fd, buffers, offset):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(aio_module.os, "preadv", broken)
+        with pytest.raises(AioError, match=r"NVMe swap read of 'k' .* from .*k\.swap at file offset 0 failed: EIO"):
+            engine.read("k", buffer, 8192).wait()
+
+
+def test_failed_first_write_leaves_nothing_readable(engine, pool, monkeypatch):
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio_module.os, "pwritev", full)
+    with pool.acquire(4096) as buffer:
+        with pytest.raises(AioError, match="is full"):
+            engine.write("fresh", buffer, 4096).wait()
+        monkeypatch.undo()
+        with pytest.raises(AioError, match="no write of this key has completed"):
+            engine.read("fresh", buffer, 4096)
+
+
+def test_transaction_commits_all_or_nothing(engine, pool, monkeypatch):
+    first, first_values = _random_buffer(pool, 1000, 1)
+    second, second_values = _random_buffer(pool, 1000, 2)
     engine.write("x", first, 4000).wait()
-    before = first.tensor(torch.float32, 1000).clone()
+    engine.write("y", first, 4000).wait()
+    # An exception in the block: nothing is committed.
     with pytest.raises(RuntimeError, match="boom"):
         with engine.transaction():
             engine.write("x", second, 4000).wait()
+            engine.read("x", first, 4000).wait()  # inside, reads see the block's own writes
+            assert torch.equal(first.tensor(torch.float32, 1000), second_values)
             raise RuntimeError("boom")
     engine.read("x", first, 4000).wait()
-    assert torch.equal(first.tensor(torch.float32, 1000), before)
+    assert torch.equal(first.tensor(torch.float32, 1000), first_values)
+    # A failed write whose error the block swallowed: still nothing is committed.
+    disk = {"full": False}
+    real_pwritev = os.pwritev
+
+    def pwritev(fd, buffers, offset):
+        if disk["full"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(aio_module.os, "pwritev", pwritev)
+    with pytest.raises(AioError, match="transaction not committed.*is full"):
+        with engine.transaction():
+            engine.write("x", second, 4000).wait()
+            disk["full"] = True
+            with pytest.raises(AioError):
+                engine.write("y", second, 4000).wait()
+    monkeypatch.undo()
+    for key in ("x", "y"):
+        engine.read(key, first, 4000).wait()
+        assert torch.equal(first.tensor(torch.float32, 1000), first_values), key
+    # A clean block commits every write, also ones left un-waited.
     with engine.transaction():
-        engine.write("x", second, 4000).wait()
-    engine.read("x", first, 4000).wait()
-    assert torch.equal(first.tensor(torch.float32, 1000), second.tensor(torch.float32, 1000))
-
-
-def test_corrupted_swap_file_is_an_error(engine):
-    pool = PinnedPool(1 << 20)
-    buffer = _fill(pool, 10_000, 3)
-    engine.write("w", buffer, 40_000).wait()
-    with open(engine.path("w"), "r+b") as handle:  # flip one byte of the written slot
-        handle.seek(123)
-        byte = handle.read(1)
-        handle.seek(123)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(AioChecksumError, match="corrupt"):
-        engine.read("w", buffer, 40_000).wait()
-
-
-def test_pinned_pool_reuses_aligned_blocks_and_waits_when_full():
-    pool = PinnedPool(64 * 1024)
-    first = pool.acquire(5000)
-    assert first.address % 4096 == 0 and first.nbytes == 8192
-    first_offset = first.offset
+        engine.write("x", second, 4000)
+        engine.write("y", second, 4000)
+    for key in ("x", "y"):
+        engine.read(key, first, 4000).wait()
+        assert torch.equal(first.tensor(torch.float32, 1000), second_values), key
     first.release()
-    again = pool.acquire(5000)
-    assert again.offset == first_offset  # reused, not fresh memory
-    rest = pool.acquire(64 * 1024 - 8192)
-    assert pool.in_use_bytes == pool.capacity_bytes
-
-    def release_later():
-        time.sleep(0.2)
-        again.release()
-
-    threading.Thread(target=release_later).start()
-    waited = pool.acquire(4096, timeout=5)  # blocks until the other thread releases
-    assert pool.waits == 1 and pool.in_use_bytes <= pool.capacity_bytes
-    with pytest.raises(TimeoutError, match="in use"):
-        pool.acquire(8192, timeout=0.05)
-    with pytest.raises(ValueError, match="pinned_bytes"):
-        pool.acquire(1 << 20)
-    waited.release()
-    rest.release()
-    assert pool.in_use_bytes == 0 and pool.peak_in_use_bytes == pool.capacity_bytes
+    second.release()
 
 
-def test_pinned_pool_never_exceeds_capacity_under_threads():
-    pool = PinnedPool(32 * 1024)
-    worst = []
+def test_corrupted_swap_file_raises_checksum_error(engine, pool):
+    buffer, _ = _random_buffer(pool, 100_000, 3)
+    engine.write("w", buffer, 400_000).wait()
+    with open(engine.path("w"), "r+b") as handle:  # flip one byte in the third 64 KiB piece
+        handle.seek(150_001)
+        byte = handle.read(1)
+        handle.seek(150_001)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(AioChecksumError, match=r"swap file .*w\.swap for 'w' is corrupt: bytes 131,072-196,607"):
+        engine.read("w", buffer, 400_000).wait()
+    buffer.release()
 
-    def worker(seed):
-        for i in range(50):
-            with pool.acquire(4096 * (1 + (seed + i) % 3)):
-                worst.append(pool.in_use_bytes)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert max(worst) <= pool.capacity_bytes and pool.in_use_bytes == 0
+def test_checksum_notices_sectors_swapped_within_a_piece():
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 2**63, size=2 * 512, dtype=np.uint64)
+    swapped = np.concatenate([data[512:], data[:512]])
+    assert aio_module._digest(memoryview(data), 0) != aio_module._digest(memoryview(swapped), 0)
+
+
+def test_folder_removed_at_interpreter_exit_but_not_by_a_forked_child(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, sys
+        from zinf_compiler.runtime.aio import AioEngine
+        engine = AioEngine({str(tmp_path)!r})
+        engine.write("k", bytearray(4096) if not engine.direct else __import__("mmap").mmap(-1, 4096), 10).wait()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # runs the child's atexit hooks
+        os.waitpid(pid, 0)
+        print(engine.folder, os.path.isdir(engine.folder), flush=True)
+        # no close(): the interpreter exit removes the folder
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    folder, still_there = done.stdout.split()
+    assert still_there == "True"  # the child left its parent's files alone
+    assert not os.path.exists(folder)
+
+
+def test_a_small_read_is_not_queued_behind_all_pieces_of_a_big_write(tmp_path, pool, monkeypatch):
+    calls = []
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+
+    def pwritev(fd, buffers, offset):
+        calls.append("write")
+        return real_pwritev(fd, buffers, offset)
+
+    def preadv(fd, buffers, offset):
+        calls.append("read")
+        return real_preadv(fd, buffers, offset)
+
+    with AioEngine(str(tmp_path), block_size=4096, queue_depth=2, threads=1) as engine:
+        with pool.acquire(4096) as small, pool.acquire(64 * 4096) as big:
+            engine.write("small", small, 4096).wait()
+            monkeypatch.setattr(aio_module.os, "pwritev", pwritev)
+            monkeypatch.setattr(aio_module.os, "preadv", preadv)
+            write = engine.write("big", big, 64 * 4096)  # 64 pieces, at most 2 queued at a time
+            read = engine.read("small", small, 4096)
+            read.wait()
+            write.wait()
+    assert calls.count("write") == 64
+    assert calls.index("read") <= 3, calls[:8]
+
+
+def test_one_copy_mode_halves_the_disk_and_never_serves_a_half_written_key(tmp_path, pool, monkeypatch):
+    single = AioEngine(str(tmp_path), block_size=64 << 10, copies=1)
+    try:
+        first, _ = _random_buffer(pool, 50_000, 1)
+        second, second_values = _random_buffer(pool, 50_000, 2)
+        single.write("state", first, 200_000).wait()
+        single.write("state", second, 200_000).wait()
+        # One slot: the rewrite went in place, the file did not grow.
+        assert os.path.getsize(single.path("state")) == 200_704
+        out, _ = _random_buffer(pool, 50_000, 3)
+        single.read("state", out, 200_000).wait()
+        assert torch.equal(out.tensor(torch.float32, 50_000), second_values)
+
+        real_pwritev = os.pwritev
+        calls = []
+
+        def disk_fills_up(fd, buffers, offset):
+            calls.append(offset)
+            if len(calls) >= 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwritev(fd, buffers, offset)
+
+        monkeypatch.setattr(aio_module.os, "pwritev", disk_fills_up)
+        with pytest.raises(AioError, match="had one copy \\(nvme_copies=1\\) and it is lost"):
+            single.write("state", first, 200_000).wait()
+        monkeypatch.undo()
+        with pytest.raises(AioError, match="no good copy"):
+            single.read("state", out, 200_000).wait()
+        # A later complete write makes the key good again.
+        single.write("state", second, 200_000).wait()
+        single.read("state", out, 200_000).wait()
+        assert torch.equal(out.tensor(torch.float32, 50_000), second_values)
+    finally:
+        single.close()

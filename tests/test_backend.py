@@ -26,11 +26,17 @@ def test_eager_lowering_matches_eager_pytorch(graph_break):
 
 @pytest.mark.parametrize("graph_break", [False, True], ids=["one-graph", "graph-break"])
 def test_inductor_lowering_matches_eager_pytorch(graph_break):
-    # Inductor fuses and reorders reductions; measured: losses within ~3e-7,
-    # parameters within ~7e-5 of each tensor's largest magnitude after 5 steps.
-    result = compare_training(GPTConfig(**TINY, graph_break=graph_break), {"lower": "inductor", "stage": 0})
+    # Inductor fuses and reorders reductions, and 5 AdamW steps at lr 1e-2
+    # turn that rounding into parameter differences of ~1e-4 of each
+    # tensor's largest magnitude (measured 5.8e-5 to 1.2e-4 depending on the
+    # initial values).  So zinf is held to plain torch.compile's own
+    # distance from eager, measured in the same test, with 1e-4 as a floor.
+    cfg = GPTConfig(**TINY, graph_break=graph_break)
+    result = compare_training(cfg, {"lower": "inductor", "stage": 0})
+    inductor = compare_training(cfg, None)
     assert result.max_loss_error <= 1e-4, result.describe()
-    assert result.max_param_error <= 1e-4, result.describe()
+    assert result.max_param_error <= max(1e-4, 1.5 * inductor.max_param_error), (
+        result.describe(), inductor.max_param_error)
 
 
 def test_graph_break_gives_several_compiled_graphs(tmp_path):

@@ -65,6 +65,10 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
             report[_memory_tier(record.opt_tier)]["optimizer"] += record.master.numel() * record.master.element_size()
         if record.grad_shard is not None:
             report[_memory_tier(record.opt_tier)]["grads"] += record.grad_shard.numel() * record.grad_shard.element_size()
+        if record.grad_on_disk:
+            report["nvme"]["grads"] += record.local_numel * 4
+        if record.stage > 0 and record.opt_tier == "nvme" and record.owns_state and record.trainable:
+            report["nvme"]["optimizer"] += record.local_numel * 4  # the fp32 master's swap files
     ids = {id(p) for p in params}
     for opt in live_optimizers():
         for tier, nbytes in opt.state_bytes(ids).items():

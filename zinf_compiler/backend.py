@@ -53,7 +53,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
     if options.stage > 0:
-        _prepare_offload(captured, options)
+        plan_offload(list(captured.param_tensors.values()), options)
         for position, param in captured.param_tensors.items():
             captured.param_uids[position] = STORE.adopt(
                 param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
@@ -78,22 +78,24 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 
-def _prepare_offload(captured: CapturedGraph, options: ZinfOptions) -> None:
-    """Before any parameter is adopted: check nvme_path can hold what will be swapped."""
+def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
+    """Before ``params`` are adopted: configure the swap and pinned pool, check nvme_path has room."""
     STORE.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
-                            options.aio_queue_depth, options.aio_threads)
+                            options.aio_queue_depth, options.aio_threads, options.nvme_copies)
     if "nvme" not in (options.offload_param, options.offload_optimizer):
         return
     world = STORE.comm.world_size
     needed = 0
-    for position, param in captured.param_tensors.items():
+    for param in params:
         if STORE.lookup(param) is not None:
             continue
-        local_numel = -(-param.numel() // world)
+        local_numel = -(-param.numel() // world) if options.partition == "allgather" else param.numel()
+        STORE.plan_shards(local_numel)
+        copies = options.nvme_copies
         if options.offload_param == "nvme":
-            needed += 2 * local_numel * DTYPES[options.param_dtype].itemsize  # two slots per swap key
+            needed += copies * local_numel * DTYPES[options.param_dtype].itemsize
         if options.offload_optimizer == "nvme" and param.requires_grad:
-            needed += 2 * 3 * local_numel * 4  # fp32 master and two moments, two slots each
+            needed += copies * 4 * local_numel * 4  # fp32 master, two moments and the gradient
     validate_folder(options.nvme_path, needed)
 
 

@@ -33,6 +33,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.proj.residual_projection = True  # scaled init (GPT-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -47,6 +48,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.proj.residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -78,19 +80,24 @@ class GPT(nn.Module):
         self.register_buffer("positions", torch.arange(cfg.block_size), persistent=False)
         if cfg.frozen_scale:
             self.embed_scale = nn.Parameter(torch.full((cfg.n_embd,), 1.5), requires_grad=False)
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.apply(self.init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    @torch.no_grad()
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialize ``module``'s own parameters and buffers (one module: ``zinf.materialize`` uses it)."""
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif module is self:
+            self.positions.copy_(torch.arange(self.cfg.block_size))
+            if self.cfg.frozen_scale:
+                self.embed_scale.fill_(1.5)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]

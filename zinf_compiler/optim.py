@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import STORE, ParamRecord
 
@@ -152,6 +153,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     STORE.publish(slot.record, slot.master)
         STORE.refresh_full_params(self._records())
         self._account_state()
+        if any(r.param_tier != "device" or r.opt_tier != "device" for r in self._records()):
+            trim()  # offloading is about bounded host memory: hand this step's freed staging back
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -159,7 +162,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for slot in self._memory_slots():
             if slot.master is not slot.param:
                 slot.master.grad = None
-        STORE.drop_grads(self._records())
+        # Not through the slots: before the first step they are not bound yet,
+        # and gradient shards from a backward must still go.
+        records = (STORE.lookup(p) for group in self.param_groups for p in group["params"])
+        STORE.drop_grads([r for r in records if r is not None])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -176,7 +182,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
         sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
         replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
         grads = []
+        grads_on_disk = []
         for slot in self._all_slots():
+            if slot.record is not None and slot.record.grad_on_disk:
+                # An nvme-tier gradient: its norm was taken as it was written.
+                grads_on_disk.append(slot.record)
+                sharded_sq += slot.record.grad_sq_norm
+                continue
             grad = slot.grad
             if grad is None:
                 continue
@@ -192,6 +204,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if clip_coef < 1.0:
             for grad in grads:
                 grad.mul_(clip_coef)
+            for record in grads_on_disk:
+                record.grad_multiplier *= clip_coef  # applied when the step reads the gradient
         return total_norm
 
     def state_dict(self) -> dict[str, Any]:
@@ -230,7 +244,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         """Bytes of optimizer state per tier for ``params`` (ids), or all.
 
         Counts the moments (and step counters) the inner optimizer holds, on
-        the device or the CPU, and master + moments in NVMe swap files.
+        the device or the CPU, and the moments in NVMe swap files.
         Separate fp32 masters are the store's (see ``memory_report``).
         """
         per_tier = {"device": 0, "cpu": 0, "nvme": 0}

@@ -1,0 +1,28 @@
+"""Give freed host memory back to the operating system.
+
+glibc serves allocations below its (adaptive, up to 32 MiB) mmap threshold
+from its heaps and keeps what is freed there for reuse, so a process that
+allocates and frees many mid-sized tensors (a model materialized module by
+module, gathered parameters, gradient staging) keeps a resident set far
+above what it holds.  ``malloc_trim(0)`` returns the free pages of every
+heap.  Elsewhere (musl, macOS) this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+_malloc_trim = None
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    _malloc_trim = getattr(_libc, "malloc_trim", None)
+except OSError:
+    pass
+
+
+def trim() -> bool:
+    """Return the heaps' free pages to the OS; True if anything was released."""
+    if _malloc_trim is None:
+        return False
+    return bool(_malloc_trim(0))

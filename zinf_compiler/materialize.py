@@ -1,0 +1,124 @@
+"""Build a model straight into its offloaded shards: larger than RAM from the first byte.
+
+``torch.compile`` adopts parameters at the first compiled call, which needs
+the whole model in memory first.  For a model whose states do not fit, build
+it on the meta device and let zinf materialize it one module at a time::
+
+    with torch.device("meta"):
+        model = GPT(cfg)                       # no memory: shapes only
+    zinf.materialize(model, options, init_fn=model.init_weights)
+    model = torch.compile(model, backend="zinf", options=options)
+
+For each module, in ``model.modules()`` order, its own meta parameters and
+buffers get real memory on the compute device, ``init_fn(module)`` fills them (default: the
+module's ``reset_parameters()``), and each parameter is adopted by the store
+with the tiers ``options`` name, so its shard goes to NVMe (or CPU) and the
+full tensor's memory is given back (stage 3).  At most one module's
+parameters are in memory at a time.  ``options`` must be the ones passed to
+``torch.compile`` (the backend checks that they agree).
+
+Contract for ``init_fn``: called once per module that has meta parameters
+or buffers of its own (the model itself included), after they are
+allocated and before they are sharded; it must fill every one of them
+(buffers too: their values computed under the meta device are gone).  A
+parameter shared by several modules (tied weights) stays in memory until
+the last of them has been initialized, so the last initialization wins, as
+with ``model.apply(init_fn)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .backend import TIERS, plan_offload
+from .options import parse_options
+from .runtime.aio import human_bytes
+from .runtime.host_memory import trim
+from .runtime.store import STORE
+
+log = logging.getLogger("zinf")
+
+
+def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None,
+                init_fn: Callable[[torch.nn.Module], None] | None = None, device: torch.device | str | None = None,
+                progress: bool = True) -> torch.nn.Module:
+    """Allocate, initialize and shard ``model``'s meta-device parameters module by module; returns ``model``.
+
+    ``device``: the compute device the parameters belong to (where gathers
+    put them); default the current CUDA device if there is one, else the CPU.
+    """
+    parsed = parse_options(options)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if parsed.stage != 3:
+        raise ValueError(f"zinf.materialize shards parameters as it builds them, which needs stage=3 "
+                         f"(got stage={parsed.stage}); build the model normally for stages 0-2")
+    named = _named_unique_params(model)
+    meta = [(name, p) for name, p in named if p.is_meta]
+    if not meta:
+        raise ValueError("zinf.materialize: the model has no meta-device parameters; build it under "
+                         "`with torch.device('meta'):` (a model already in memory is adopted by torch.compile)")
+    plan_offload([p for _, p in meta], parsed)
+    name_by_id = {id(p): name for name, p in named}
+    modules = list(model.modules())
+    last_holder = {}  # id(meta param) -> index of the last module holding it
+    for index, module in enumerate(modules):
+        for param in module._parameters.values():
+            if param is not None and param.is_meta:
+                last_holder[id(param)] = index
+    real_by_meta: dict[int, torch.nn.Parameter] = {}
+    total = sum(p.numel() for _, p in meta)
+    done = 0
+    started = last_report = time.perf_counter()
+    for index, module in enumerate(modules):
+        ready = []  # parameters whose last holder is this module: sharded after its init
+        for key, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue  # a parameter built outside the meta device: torch.compile adopts it
+            real = real_by_meta.get(id(param))
+            if real is None:
+                real = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                real_by_meta[id(param)] = real
+            module._parameters[key] = real
+            if last_holder[id(param)] == index:
+                ready.append((name_by_id[id(param)], real))
+        meta_buffers = [key for key, b in module._buffers.items() if b is not None and b.is_meta]
+        for key in meta_buffers:
+            module._buffers[key] = torch.empty_like(module._buffers[key], device=device)
+        real_ids = {id(r) for r in real_by_meta.values()}
+        if not meta_buffers and not any(id(p) in real_ids for p in module._parameters.values()):
+            continue  # nothing of its own to fill (or only parameters built outside the meta device)
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif ready:
+                raise ValueError(f"zinf.materialize: module {type(module).__name__} has parameters but no "
+                                 f"reset_parameters(); pass init_fn to fill them")
+        for name, real in ready:
+            uid = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
+                              param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
+                              opt_tier=TIERS[parsed.offload_optimizer])
+            STORE.release_full_storage([uid])
+            done += real.numel()
+        if ready:
+            trim()  # the full tensors just freed sit in glibc's heap otherwise: RSS would grow module by module
+        now = time.perf_counter()
+        if progress and now - last_report > 10:
+            log.warning("zinf.materialize: %s of %s parameters sharded (%.0f s)", f"{done:,}", f"{total:,}",
+                        now - started)
+            last_report = now
+    if progress:
+        log.warning("zinf.materialize: %s parameters (%s of fp32) sharded to param tier %s, optimizer tier %s "
+                    "in %.1f s", f"{total:,}", human_bytes(4 * total), TIERS[parsed.offload_param],
+                    TIERS[parsed.offload_optimizer], time.perf_counter() - started)
+    return model
+
+
+def _named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return list(model.named_parameters())  # tied parameters once, under their first name
