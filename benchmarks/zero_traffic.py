@@ -457,7 +457,7 @@ def _explain(name: str, options: dict, entry: dict, info: dict, world: int, tota
         trainable = sum(v["bytes"] for v in info.values() if v["trainable"])
         return [f"{name}: nothing sharded; one all-reduce per gradient of a trainable parameter: "
                 f"2 x {_fmt(trainable)} expected, {_fmt(total)} measured"]
-    padding = frozen_rs = once = 0.0
+    padding = frozen_rs = frozen_gg = once = 0.0
     once_names, odd = [], []
     expected_gathers = 2 if stage == 3 else 1
     for pname, p in per_param.items():
@@ -466,6 +466,12 @@ def _explain(name: str, options: dict, entry: dict, info: dict, world: int, tota
         padding += pad * (p["gathers"] + p["reduces"])
         if not trainable:
             frozen_rs += p["bytes"]
+        if not trainable and stage in (1, 2):
+            # Stages 1/2 keep full parameters and only rebuild what the step changed.
+            frozen_gg += p["bytes"]
+            if p["gathers"] != 0:
+                odd.append(f"{pname}: frozen, yet all-gathered {p['gathers']:g}x per step")
+            continue
         if p["reduces"] != (1 if trainable else 0):
             odd.append(f"{pname}: {p['reduces']:g} gradient reductions per step")
         if p["gathers"] == expected_gathers - 1 and stage == 3:
@@ -473,10 +479,12 @@ def _explain(name: str, options: dict, entry: dict, info: dict, world: int, tota
             once_names.append(pname)
         elif p["gathers"] != expected_gathers:
             odd.append(f"{pname}: {p['gathers']:g} gathers per step (expected {expected_gathers})")
-    residual = total - (theory + padding - frozen_rs - once)
+    residual = total - (theory + padding - frozen_rs - frozen_gg - once)
     parts = [f"{name}: measured {total / theory:.4f} x theory = theory"]
     parts.append(f"+ padding {_fmt(padding)}")
     parts.append(f"- frozen params not reduced {_fmt(frozen_rs)}")
+    if stage in (1, 2):
+        parts.append(f"- frozen params not re-gathered {_fmt(frozen_gg)}")
     if stage == 3:
         parts.append(f"- gathered once, not twice {_fmt(once)}")
     parts.append(f"(residual {_fmt(residual)} bytes)")
@@ -488,12 +496,6 @@ def _explain(name: str, options: dict, entry: dict, info: dict, world: int, tota
                      f"({len(twice)} tensors, LayerNorm biases included: aten's native_layer_norm_backward "
                      f"takes the bias as an input, so backward re-gathers {_fmt(sum(per_param[n]['bytes'] for n in twice if n.endswith('bias')))} "
                      f"bytes of biases it does not need)")
-    frozen = [pname for pname in per_param if not info[pname]["trainable"]]
-    if frozen and stage in (1, 2):
-        gathers = {per_param[pname]["gathers"] for pname in frozen}
-        notes.append(f"{name}: frozen {', '.join(frozen)} all-gathered {'/'.join(f'{g:g}' for g in gathers)}x per "
-                     f"step (the optimizer, given model.parameters(), refreshes it after its step) although it "
-                     f"never changes; ZeRO's theory moves nothing for frozen parameters at stages 1/2")
     notes.extend(f"{name}: {line}" for line in odd)
     return notes
 
