@@ -53,6 +53,7 @@ def main() -> None:
         before_disk = sum(e.bytes_on_disk() for e in STORE.engines())
         action()
         STORE.finish_grad_writes()  # the report counts gradients being written as on disk already
+        trim()  # free pages glibc kept from the action's temporaries are not held by anyone
         after_report, after_rss = zinf.memory_report(model), rss()
         after_disk = sum(e.bytes_on_disk() for e in STORE.engines())
         result[name] = {

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NOISE_BYTES = 4 << 20  # allocator and page-table noise on a transition that adds nothing
+NOISE_BYTES = 8 << 20  # allocator, page-table and thread-stack noise on a transition that adds nothing
 
 
 def run_worker(tier: str, folder: str) -> dict:
