@@ -35,17 +35,20 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
         graph = gm.graph
         for gather in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GATHER_START]:
             param_node, uid = gather.args[0], gather.args[1]
+            # A tile's gather (the tile pass) fetches only that tile's slice of the shard.
+            tile = gather.args[3] if len(gather.args) > 3 else gather.kwargs.get("tile", -1)
+            tile_args = (tile,) if tile >= 0 else ()
             with graph.inserting_before(gather):
                 after = param_node
                 steps = []
                 if tier == "nvme":
-                    token = call_op(graph, ops.NC_START, (param_node, uid), name=f"nc_start_{param_node.name}")
-                    after = call_op(graph, ops.NC_WAIT, (token, uid), name=f"nc_wait_{param_node.name}")
+                    token = call_op(graph, ops.NC_START, (param_node, uid) + tile_args, name=f"nc_start_{param_node.name}")
+                    after = call_op(graph, ops.NC_WAIT, (token, uid) + tile_args, name=f"nc_wait_{param_node.name}")
                     steps.append("nc")
-                token = call_op(graph, ops.CG_START, (after, uid), name=f"cg_start_{param_node.name}")
-                after = call_op(graph, ops.CG_WAIT, (token, uid), name=f"cg_wait_{param_node.name}")
+                token = call_op(graph, ops.CG_START, (after, uid) + tile_args, name=f"cg_start_{param_node.name}")
+                after = call_op(graph, ops.CG_WAIT, (token, uid) + tile_args, name=f"cg_wait_{param_node.name}")
                 steps.append("cg")
-            gather.args = (param_node, uid, after)
+            gather.args = (param_node, uid, after) + tuple(gather.args[3:])
             fetched[uid] = steps
     ctx.facts["fetched"] = fetched
     return gm

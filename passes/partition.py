@@ -12,6 +12,11 @@
 * stage 0 with world size > 1: each gradient is averaged over ranks
   (``zinf.all_reduce_grad``), plain data parallelism.
 
+Tiles (the ``tile`` pass): each weight slice tagged ``meta["zinf_tile"]`` is
+gathered as its own unit (``gather_start(param, uid, None, tile)``, released
+after its last use), and each tile gradient of a ``meta["zinf_tiled_grad"]``
+cat is reduced on its own (``reduce_grad_start(grad_tile, uid, tile)``).
+
 Reads ``ctx.params`` (placeholder -> parameter) and ``ctx.captured.param_uids``;
 records ``ctx.facts["gathered"]`` (uids) and ``ctx.facts["reduced"]`` (uids; Dynamo
 input positions at stage 0, where nothing is adopted).  The
@@ -25,6 +30,7 @@ import torch
 from zinf_compiler import ops
 from zinf_compiler.context import GraphContext
 from zinf_compiler.graph_utils import call_op, first_node, last_node, node_order, output_node, placeholders_by_name
+from zinf_compiler.passes.tile import TILE_META, TILED_GRAD_META
 
 NAME = "partition"
 KINDS = ("forward", "backward", "inference")
@@ -48,6 +54,11 @@ def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
         # The output keeps the storage-less parameter (saved for backward, which
         # gathers again); only computation reads the gathered copy.
         compute_users = [user for user in param_node.users if user.op != "output"]
+        weight_tiles = [user for user in compute_users if TILE_META in user.meta]
+        if weight_tiles:
+            _gather_tiles(graph, param_node, weight_tiles, ctx.captured.param_uids[info.position])
+            compute_users = [user for user in compute_users if TILE_META not in user.meta]
+            gathered_uids.append(ctx.captured.param_uids[info.position])
         if not compute_users:
             continue
         uid = ctx.captured.param_uids[info.position]
@@ -60,8 +71,27 @@ def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
         order = node_order(graph)
         with graph.inserting_after(last_node(gathered.users, order)):
             call_op(graph, ops.RELEASE, (gathered, uid), name=f"release_{placeholder_name}")
-        gathered_uids.append(uid)
+        if uid not in gathered_uids:
+            gathered_uids.append(uid)
     return gathered_uids
+
+
+def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles: list, uid: int) -> None:
+    """Each tile slice becomes its own gather, alive from that slice's first use to its last."""
+    for weight_slice in weight_tiles:
+        tile = weight_slice.meta[TILE_META]["tile"]
+        start, stop = weight_slice.meta[TILE_META]["rows"]
+        with graph.inserting_before(weight_slice):
+            token = call_op(graph, ops.GATHER_START, (param_node, uid, None, tile),
+                            name=f"gg_start_{param_node.name}_tile{tile}")
+            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, uid, tile, stop - start),
+                               name=f"gathered_{param_node.name}_tile{tile}")
+        weight_slice.replace_all_uses_with(gathered)
+        graph.erase_node(weight_slice)
+        if not gathered.users:  # nothing reads it (cannot happen after the tile pass, but stay valid)
+            continue
+        with graph.inserting_after(last_node(gathered.users, node_order(graph))):
+            call_op(graph, ops.RELEASE, (gathered, uid, tile), name=f"release_{param_node.name}_tile{tile}")
 
 
 def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
@@ -80,6 +110,20 @@ def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
             continue
         info = inputs[index - offset]
         if info.kind != "param":
+            continue
+        if TILED_GRAD_META in grad.meta and ctx.options.stage > 0:
+            # One reduce per tile gradient, right after it; the cat that joined them goes.
+            uid = ctx.captured.param_uids[info.position]
+            for tile, grad_tile in enumerate(grad.args[0]):
+                with graph.inserting_after(grad_tile):
+                    token = call_op(graph, ops.REDUCE_GRAD_START, (grad_tile, uid, tile), name=f"rs_start_{uid}_tile{tile}")
+                with graph.inserting_after(token):
+                    call_op(graph, ops.REDUCE_GRAD_WAIT, (token, uid, tile), name=f"rs_wait_{uid}_tile{tile}")
+            grads[index] = None
+            reduced.append(uid)
+            output.args = (tuple(grads),) + tuple(output.args[1:])
+            if not grad.users:
+                graph.erase_node(grad)
             continue
         # As soon as the gradient exists (the schedule pass may push the wait later).
         where = graph.inserting_before(output) if grad.op == "placeholder" else graph.inserting_after(grad)

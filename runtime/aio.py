@@ -72,6 +72,9 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from .trace import TRACER
+from .trace import now as trace_now
+
 ALIGNMENT = 4096
 _SECTOR_WORDS = ALIGNMENT // 8
 MAX_OPEN_FILES = 256  # swap files kept open at once; idle ones beyond this are closed (reopened on use)
@@ -229,6 +232,15 @@ class _State:
         key.fd_users -= 1
 
 
+def _trace_track(kind: str, key: str) -> str:
+    """The trace track of a swap transfer: parameter fetches are nc, writes of params and gradients offload."""
+    if kind == "read" and key.startswith("param."):
+        return "nc"
+    if kind == "write" and key.startswith(("param.", "grad.")):
+        return "offload"
+    return "optimizer io"
+
+
 class AioRequest:
     """An in-flight read or write: ``wait()`` to finish it (raises on failure), ``done()`` to poll."""
 
@@ -249,6 +261,7 @@ class AioRequest:
         self._outstanding = 0
         self.error: AioError | None = None
         self._event = threading.Event()
+        self._submitted = trace_now()
 
     def done(self) -> bool:
         """True when every piece has finished (successfully or not); ``wait()`` then returns or raises at once."""
@@ -256,7 +269,10 @@ class AioRequest:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the transfer is complete; raise its :class:`AioError` if it failed."""
-        if not self._event.wait(timeout):
+        if not self._event.is_set():
+            with TRACER.stall(f"wait {self.kind} {self.key}"):
+                self._event.wait(timeout)
+        if not self._event.is_set():
             raise TimeoutError(f"NVMe swap {self.kind} of {self.key!r} ({human_bytes(self.nbytes)}) "
                                f"still in flight after {timeout} s")
         if self.error is not None:
@@ -300,6 +316,8 @@ class AioRequest:
             self._on_finish(self)
         finally:
             self._view = None  # drop the reference to the caller's buffer
+            TRACER.interval(_trace_track(self.kind, self.key), f"{self.kind} {self.key}", self._submitted,
+                            trace_now(), self.nbytes)
             self._state.changed.notify_all()
             self._event.set()
 

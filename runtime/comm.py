@@ -14,12 +14,34 @@ import collections
 import torch
 import torch.distributed as dist
 
+from .copy_engine import COPIER
+from .trace import TRACER, now
+
 
 class _DoneWork:
     """The handle of a collective that finished synchronously (world size 1)."""
 
     def wait(self) -> bool:
         return True
+
+
+class _TracedWork:
+    """A collective's handle whose completion lands on a trace track and whose wait counts as a stall."""
+
+    def __init__(self, work, track: str, nbytes: int):
+        self._work = work
+        self._track = track
+        if TRACER.recording:
+            started = now()
+            try:
+                work.get_future().add_done_callback(
+                    lambda _: TRACER.interval(track, track, started, now(), nbytes))
+            except (AttributeError, RuntimeError):  # a backend without futures: no interval
+                pass
+
+    def wait(self) -> bool:
+        with TRACER.stall(f"wait {self._track}"):
+            return self._work.wait()
 
 
 class Comm:
@@ -49,19 +71,19 @@ class Comm:
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor):
         """Start gathering every rank's equal-size ``shard`` into ``output``; returns a handle."""
-        self._count("all_gather", output.numel() * output.element_size())
+        nbytes = output.numel() * output.element_size()
+        self._count("all_gather", nbytes)
         if self.world_size == 1:
-            output.copy_(shard)
-            return _DoneWork()
-        return dist.all_gather_into_tensor(output, shard, async_op=True)
+            return COPIER.copy(output, shard, "gg", "gather (local copy)")
+        return _TracedWork(dist.all_gather_into_tensor(output, shard, async_op=True), "gg", nbytes)
 
     def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor):
         """Start averaging ``full`` over ranks, this rank keeping its slice in ``output``."""
-        self._count("reduce_scatter", full.numel() * full.element_size())
+        nbytes = full.numel() * full.element_size()
+        self._count("reduce_scatter", nbytes)
         if self.world_size == 1:
-            output.copy_(full)
-            return _DoneWork()
-        return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, async_op=True)
+            return COPIER.copy(output, full, "rs", "reduce (local copy)")
+        return _TracedWork(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes)
 
     def all_reduce_avg(self, tensor: torch.Tensor):
         """Start averaging ``tensor`` in place over ranks."""
@@ -77,17 +99,19 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int):
         """Start sending ``tensor`` from rank ``src`` to every rank, in place."""
-        self._count("broadcast", tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("broadcast", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return dist.broadcast(tensor, src=src, async_op=True)
+        return _TracedWork(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes)
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int):
         """Start summing ``tensor`` over ranks into rank ``dst``'s copy."""
-        self._count("reduce", tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("reduce", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True)
+        return _TracedWork(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True), "rs", nbytes)
 
 
 COMM = Comm()

@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from typing import Iterable
 
 import torch
 
 from .aio import AioEngine
 from .comm import COMM, Comm
+from .copy_engine import COPIER
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
 
@@ -40,6 +42,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class ZinfStoreError(RuntimeError):
     """A parameter cannot be adopted or used the way it was asked for."""
+
+
+class ZinfBudgetError(ZinfStoreError):
+    """An op would hold more gathered and in-flight device bytes than ``device_memory_limit`` allows."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,6 +84,13 @@ class ParamRecord:
     _reads: list = dataclasses.field(default_factory=list)  # in-flight nc: (request, pinned buffer)
     _copies: list = dataclasses.field(default_factory=list)  # in-flight cg: (device shard, pinned buffer, event)
     _staged: list = dataclasses.field(default_factory=list)  # fetched shards on the device, for gather_start
+    # Memory-centric tiling (the ``tile`` pass): rows of the parameter per tile,
+    # or None.  A tiled parameter is laid out tile-major: each row tile is
+    # flattened, padded and split evenly over ranks, and this rank's shard is
+    # its slices of every tile in tile order (see :meth:`tile_local_range`).
+    tile_rows: tuple[int, ...] | None = None
+    # In-flight per-tile transfers: (step, tile) -> list, step in nc/cg/staged/gather/reduce.
+    _tile_queues: dict = dataclasses.field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:
@@ -94,7 +107,38 @@ class ParamRecord:
     @property
     def shard_numel(self) -> int:
         """Elements per rank's slice (allgather mode), padding included."""
+        if self.tile_rows is not None:
+            return sum(self.tile_shard_numel(tile) for tile in range(len(self.tile_rows)))
         return -(-self.numel // self.world_size)
+
+    # --- tiles (see ``tile_rows``) ---
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.shape[0] if self.shape and self.shape[0] else 0
+
+    def tile_row_range(self, tile: int) -> tuple[int, int]:
+        start = sum(self.tile_rows[:tile])
+        return start, start + self.tile_rows[tile]
+
+    def tile_numel(self, tile: int) -> int:
+        return self.tile_rows[tile] * self.row_numel
+
+    def tile_shard_numel(self, tile: int) -> int:
+        """Elements of one rank's slice of ``tile`` (allgather: padded to a multiple of the world size)."""
+        if self.partition == "allgather":
+            return -(-self.tile_numel(tile) // self.world_size)
+        return self.tile_numel(tile)
+
+    def tile_gathered_numel(self, tile: int) -> int:
+        return self.tile_shard_numel(tile) * self.world_size if self.partition == "allgather" else self.tile_numel(tile)
+
+    def tile_local_range(self, tile: int) -> tuple[int, int]:
+        """Where this rank's slice of ``tile`` sits in its flat shard (empty for a non-owner in broadcast mode)."""
+        if self.partition == "broadcast" and self.rank != self.owner:
+            return 0, 0
+        start = sum(self.tile_shard_numel(t) for t in range(tile))
+        return start, start + self.tile_shard_numel(tile)
 
     @property
     def gathered_numel(self) -> int:
@@ -144,6 +188,10 @@ class ParamStore:
         self.transient = {"device": 0, "cpu": 0}
         self.peak = {"device": 0, "cpu": 0}
         self.peak_transient = {"device": 0, "cpu": 0}
+        # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
+        self.device_memory_limit: int | None = None
+        self._nvme_sampled = (0.0, 0)  # (when, bytes) of the trace's last swap-folder scan
+        self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
 
     # --- offload resources -------------------------------------------------------
 
@@ -195,6 +243,33 @@ class ParamStore:
             self._add_resting("cpu", self.pinned.capacity_bytes)
         return self.pinned
 
+    def prefetch_pinned_bytes(self) -> int | None:
+        """Pinned bytes the graph's nc reads may hold at once (None: no pool, nothing read from NVMe).
+
+        The pool less what gradient writes to NVMe use during backward and
+        one largest shard of slack for first-fit fragmentation; never less
+        than one largest shard (a fetch without prefetch needs that much).
+        """
+        if self.pinned is None:
+            return None
+        records = list(self._records.values())
+        largest = max([r.shard_bytes for r in records if r.param_tier == "nvme"] + [0])
+        group = min(max([r.local_numel * 4 for r in records] + [0]), SUB_GROUP_NUMEL * 4)
+        reserve = (GRAD_WRITES_IN_FLIGHT + 1) * group if any(r.opt_tier == "nvme" for r in records) else 0
+        return max(self.pinned.capacity_bytes - reserve - largest, largest)
+
+    def trace_sample(self) -> dict[str, int]:
+        """Bytes per tier now, for the step trace's memory picture."""
+        sample = {"device": self.resting["device"] + self.transient["device"],
+                  "cpu": self.resting["cpu"] + self.transient["cpu"],
+                  "pinned in use": self.pinned.in_use_bytes if self.pinned is not None else 0}
+        if self._engines:
+            at = time.perf_counter()
+            if at - self._nvme_sampled[0] > 0.05:  # a directory scan: not every 2 ms
+                self._nvme_sampled = (at, sum(engine.bytes_on_disk() for engine in self._engines.values()))
+            sample["nvme"] = self._nvme_sampled[1]
+        return sample
+
     def _write_swap(self, engine: AioEngine, key: str, tensor: torch.Tensor) -> None:
         """Write a flat tensor to the swap file ``key`` through the pinned pool (synchronous)."""
         nbytes = tensor.numel() * tensor.element_size()
@@ -214,11 +289,14 @@ class ParamStore:
     # --- adoption -------------------------------------------------------------
 
     def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
-              param_tier: str = "device", opt_tier: str = "device") -> int:
+              param_tier: str = "device", opt_tier: str = "device", tile_rows: tuple[int, ...] | None = None) -> int:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its uid.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
-        the optimizer state, rest: "device", "cpu" or "nvme".
+        the optimizer state, rest: "device", "cpu" or "nvme".  ``tile_rows``:
+        rows per tile of a parameter the ``tile`` pass splits (laid out
+        tile-major, see :class:`ParamRecord`); a parameter adopted before keeps
+        its first layout (read it back from ``record(uid).tile_rows``).
         """
         settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier)
         with self._lock:
@@ -240,6 +318,7 @@ class ParamStore:
                 )
             world_size, rank = self.comm.world_size, self.comm.rank
             compute_dtype = DTYPES[param_dtype]
+            tile_rows = _tile_rows(tile_rows, param)
             full = param.detach()
             if world_size > 1:
                 # Like DDP: every rank starts from rank 0's values.
@@ -250,6 +329,8 @@ class ParamStore:
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + flat.numel()
                 local = flat.to(torch.float32, copy=True) if rank == owner else flat.new_empty(0, dtype=torch.float32)
+            elif tile_rows is not None:
+                local = _tile_major_slice(flat, tile_rows, world_size, rank)
             else:
                 shard_numel = -(-flat.numel() // world_size)
                 local = torch.zeros(shard_numel, dtype=torch.float32, device=flat.device)
@@ -261,7 +342,7 @@ class ParamStore:
             record = ParamRecord(uid=uid, name=name, param=param, stage=stage, partition=partition,
                                  compute_dtype=compute_dtype, world_size=world_size, rank=rank, owner=owner,
                                  local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
-                                 shard=local.new_empty(0, dtype=compute_dtype))
+                                 shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows)
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
@@ -320,24 +401,33 @@ class ParamStore:
 
     # --- fetch: nc (NVMe -> pinned CPU buffer), cg (CPU -> device) ----------------
 
-    def nc_start(self, uid: int) -> None:
-        """Start reading the shard of an nvme-tier parameter into a pinned buffer."""
+    def nc_start(self, uid: int, tile: int | None = None) -> None:
+        """Start reading the shard of an nvme-tier parameter into a pinned buffer.
+
+        ``tile``: for one tile's fetch (the whole shard is read: it is one swap file).
+        """
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_nc_start(record, tile)
         staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
         request = record.swap.read(record.param_key, staging, record.shard_bytes) if record.owns_state else None
         record._reads.append((request, staging))
 
-    def nc_wait(self, uid: int) -> None:
+    def nc_wait(self, uid: int, tile: int | None = None) -> None:
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_nc_wait(record, tile)
         if not record._reads:
             raise ZinfStoreError(f"nc_wait for {record.name} without an nc_start")
         request, _ = record._reads[0]
         if request is not None:
             request.wait()
 
-    def cg_start(self, uid: int) -> None:
-        """Start copying the shard from CPU memory (cpu tier, or the nc buffer) to the device."""
+    def cg_start(self, uid: int, tile: int | None = None) -> None:
+        """Start copying the shard (or its ``tile`` slice) from CPU memory (cpu tier, or the nc buffer) to the device."""
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_cg_start(record, tile)
         staging = None
         if record.param_tier == "nvme":
             if not record._reads:
@@ -346,26 +436,20 @@ class ParamStore:
             source = staging.tensor(record.compute_dtype, record.local_numel)
         else:
             source = record.shard
+        self._add_transient("device", record.local_numel * record.compute_dtype.itemsize,
+                            what=f"cg_start of {record.name}")
         on_device = torch.empty(record.local_numel, dtype=record.compute_dtype, device=record.device)
-        event = None
-        if on_device.is_cuda:
-            on_device.copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            on_device.copy_(source)
-        record._copies.append((on_device, staging, event))
-        self._add_transient("device", _nbytes(on_device))
+        work = COPIER.copy(on_device, source, "cg", f"cg {record.name}")
+        record._copies.append((on_device, staging, work))
 
-    def cg_wait(self, uid: int) -> None:
+    def cg_wait(self, uid: int, tile: int | None = None) -> None:
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_cg_wait(record, tile)
         if not record._copies:
             raise ZinfStoreError(f"cg_wait for {record.name} without a cg_start")
-        on_device, staging, event = record._copies.pop(0)
-        if event is not None:
-            event.synchronize()
-        if staging is not None:
-            staging.release()
+        on_device, staging, work = record._copies.pop(0)
+        _finish_copy(work, staging)
         record._staged.append(on_device)
 
     def _local_shard_on_device(self, record: ParamRecord) -> torch.Tensor:
@@ -386,10 +470,19 @@ class ParamStore:
 
     # --- gather / release -------------------------------------------------------
 
-    def gather_start(self, uid: int) -> None:
-        """Start assembling the full parameter (all-gather of slices, or broadcast from its owner)."""
+    def gather_start(self, uid: int, tile: int | None = None) -> None:
+        """Start assembling the full parameter (all-gather of slices, or broadcast from its owner).
+
+        ``tile``: assemble only that row tile of a tiled parameter.
+        """
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_gather_start(record, tile)
         shard = self._local_shard_on_device(record)
+        if self._is_whole(record, shard):
+            record._gathers.append((_DONE, shard, shard))
+            self._add_transient("device", _nbytes(shard), what=f"gather_start of {record.name}")
+            return
         buffer = torch.empty(record.gathered_numel, dtype=record.compute_dtype, device=record.device)
         if record.partition == "allgather":
             work = self.comm.all_gather_into(buffer, shard)
@@ -398,50 +491,243 @@ class ParamStore:
                 buffer.copy_(shard)
             work = self.comm.broadcast(buffer, src=record.owner)
         record._gathers.append((work, buffer, shard))
-        self._add_transient("device", _nbytes(buffer))
+        self._add_transient("device", _nbytes(buffer), what=f"gather_start of {record.name}")
 
-    def gather_wait(self, uid: int) -> torch.Tensor:
-        """Finish the oldest in-flight gather of ``uid``; the full parameter in its own dtype."""
+    def _is_whole(self, record: ParamRecord, shard: torch.Tensor, numel: int | None = None) -> bool:
+        """World size 1: a shard the cg step just staged already is the whole parameter; no gather copy."""
+        numel = record.gathered_numel if numel is None else numel
+        return (record.world_size == 1 and record.partition == "allgather" and record.param_tier != "device"
+                and shard.numel() == numel)
+
+    def gather_wait(self, uid: int, tile: int | None = None) -> torch.Tensor:
+        """Finish the oldest in-flight gather of ``uid`` (or of its ``tile``); the full parameter in its own dtype."""
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_gather_wait(record, tile)
         if not record._gathers:
             raise ZinfStoreError(f"gather_wait for {record.name} without a gather_start")
         work, buffer, _ = record._gathers.pop(0)
         work.wait()
-        full = buffer[: record.numel].view(record.shape)
+        if record.tile_rows is not None and record.partition == "allgather":
+            full = _untile(record, buffer)
+        else:
+            full = buffer[: record.numel].view(record.shape)
         if full.dtype != record.param.dtype:
             full = full.to(record.param.dtype)
         return full
 
-    def release(self, uid: int) -> None:
-        """The graph is done with a gathered copy of ``uid``: it no longer counts as held.
+    def release(self, uid: int, tile: int | None = None) -> None:
+        """The graph is done with a gathered copy of ``uid`` (or of its ``tile``): it no longer counts as held.
 
         The memory itself goes when the graph drops its last reference, right
         after this op (the generated code frees values after their last use).
         """
         record = self._records[uid]
+        if tile is not None:
+            self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize)
+            return
         self._add_transient("device", -record.gathered_numel * record.compute_dtype.itemsize)
+
+    # --- tiles: one row tile of a tiled parameter at a time --------------------------
+
+    def _tile_queue(self, record: ParamRecord, step: str, tile: int) -> list:
+        if record.tile_rows is None or not 0 <= tile < len(record.tile_rows):
+            raise ZinfStoreError(f"{step} of tile {tile} of {record.name}, which has tile rows {record.tile_rows}")
+        return record._tile_queues.setdefault((step, tile), [])
+
+    def _tile_what(self, step: str, record: ParamRecord, tile: int) -> str:
+        return f"{step} of {record.name} tile {tile}/{len(record.tile_rows)}"
+
+    def _tile_nc_start(self, record: ParamRecord, tile: int) -> None:
+        # The shard is one swap file: a tile's fetch reads all of it into pinned
+        # CPU memory and copies only the tile's slice to the device (cg).
+        queue = self._tile_queue(record, "nc", tile)
+        staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
+        request = record.swap.read(record.param_key, staging, record.shard_bytes) if record.owns_state else None
+        queue.append((request, staging))
+
+    def _tile_nc_wait(self, record: ParamRecord, tile: int) -> None:
+        queue = self._tile_queue(record, "nc", tile)
+        if not queue:
+            raise ZinfStoreError(f"nc_wait for {record.name} tile {tile} without an nc_start")
+        request, _ = queue[0]
+        if request is not None:
+            request.wait()
+
+    def _tile_cg_start(self, record: ParamRecord, tile: int) -> None:
+        start, stop = record.tile_local_range(tile)
+        staging = None
+        if record.param_tier == "nvme":
+            reads = self._tile_queue(record, "nc", tile)
+            if not reads:
+                raise ZinfStoreError(f"cg_start for nvme-tier {record.name} tile {tile} without a finished nc")
+            _, staging = reads.pop(0)
+            source = staging.tensor(record.compute_dtype, record.local_numel)[start:stop]
+        else:
+            source = record.shard[start:stop]
+        self._add_transient("device", (stop - start) * record.compute_dtype.itemsize,
+                            what=self._tile_what("cg_start", record, tile))
+        on_device = torch.empty(stop - start, dtype=record.compute_dtype, device=record.device)
+        work = COPIER.copy(on_device, source, "cg", f"cg {record.name} tile {tile}")
+        self._tile_queue(record, "cg", tile).append((on_device, staging, work))
+
+    def _tile_cg_wait(self, record: ParamRecord, tile: int) -> None:
+        queue = self._tile_queue(record, "cg", tile)
+        if not queue:
+            raise ZinfStoreError(f"cg_wait for {record.name} tile {tile} without a cg_start")
+        on_device, staging, work = queue.pop(0)
+        _finish_copy(work, staging)
+        self._tile_queue(record, "staged", tile).append(on_device)
+
+    def _local_tile_on_device(self, record: ParamRecord, tile: int) -> torch.Tensor:
+        """This rank's slice of ``tile`` on the device: staged by cg, resting there, or fetched now."""
+        staged = self._tile_queue(record, "staged", tile)
+        if staged:
+            shard_tile = staged.pop(0)
+            self._add_transient("device", -_nbytes(shard_tile))
+            return shard_tile
+        if record.param_tier == "device":
+            start, stop = record.tile_local_range(tile)
+            return record.shard[start:stop]
+        if record.param_tier == "nvme":
+            self._tile_nc_start(record, tile)
+            self._tile_nc_wait(record, tile)
+        self._tile_cg_start(record, tile)
+        self._tile_cg_wait(record, tile)
+        return self._local_tile_on_device(record, tile)
+
+    def _tile_gather_start(self, record: ParamRecord, tile: int) -> None:
+        queue = self._tile_queue(record, "gather", tile)
+        shard_tile = self._local_tile_on_device(record, tile)
+        numel = record.tile_gathered_numel(tile)
+        if self._is_whole(record, shard_tile, numel):
+            self._add_transient("device", _nbytes(shard_tile), what=self._tile_what("gather_start", record, tile))
+            queue.append((_DONE, shard_tile, shard_tile))
+            return
+        self._add_transient("device", numel * record.compute_dtype.itemsize,
+                            what=self._tile_what("gather_start", record, tile))
+        buffer = torch.empty(numel, dtype=record.compute_dtype, device=record.device)
+        if record.partition == "allgather":
+            work = self.comm.all_gather_into(buffer, shard_tile)
+        else:
+            if record.rank == record.owner:
+                buffer.copy_(shard_tile)
+            work = self.comm.broadcast(buffer, src=record.owner)
+        queue.append((work, buffer, shard_tile))
+
+    def _tile_gather_wait(self, record: ParamRecord, tile: int) -> torch.Tensor:
+        queue = self._tile_queue(record, "gather", tile)
+        if not queue:
+            raise ZinfStoreError(f"gather_wait for {record.name} tile {tile} without a gather_start")
+        work, buffer, _ = queue.pop(0)
+        work.wait()
+        weight_tile = buffer[: record.tile_numel(tile)].view((record.tile_rows[tile],) + tuple(record.shape[1:]))
+        if weight_tile.dtype != record.param.dtype:
+            weight_tile = weight_tile.to(record.param.dtype)
+        return weight_tile
+
+    def _tile_reduce_start(self, record: ParamRecord, grad: torch.Tensor, tile: int) -> None:
+        queue = self._tile_queue(record, "reduce", tile)
+        flat_grad = grad.detach().reshape(-1)
+        if flat_grad.numel() != record.tile_numel(tile):
+            raise ZinfStoreError(f"reduce_grad_start of {record.name} tile {tile}: gradient of {flat_grad.numel()} "
+                                 f"elements, the tile has {record.tile_numel(tile)}")
+        if record.compute_dtype == torch.float16:
+            flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
+        if record.partition == "allgather":
+            staged_bytes = (record.tile_gathered_numel(tile) + record.tile_shard_numel(tile)) * record.compute_dtype.itemsize
+            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile))
+            staging = torch.zeros(record.tile_gathered_numel(tile), dtype=record.compute_dtype, device=grad.device)
+            staging[: flat_grad.numel()].copy_(flat_grad)
+            out = torch.empty(record.tile_shard_numel(tile), dtype=record.compute_dtype, device=grad.device)
+            work = self.comm.reduce_scatter_avg(out, staging)
+        else:
+            staged_bytes = flat_grad.numel() * record.compute_dtype.itemsize
+            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile))
+            staging = out = flat_grad.to(record.compute_dtype, copy=True)
+            work = self.comm.reduce_sum(staging, dst=record.owner)
+        queue.append((work, out, staged_bytes))
+
+    def _tile_reduce_wait(self, record: ParamRecord, tile: int) -> None:
+        """Add one reduced gradient tile into its part of this rank's gradient shard.
+
+        nvme optimizer tier: the shard is swapped out whole, so the tiles
+        collect in a CPU buffer that goes to the swap files once every tile
+        of this backward has arrived.
+        """
+        queue = self._tile_queue(record, "reduce", tile)
+        if not queue:
+            raise ZinfStoreError(f"reduce_grad_wait for {record.name} tile {tile} without a reduce_grad_start")
+        work, out, staged_bytes = queue.pop(0)
+        work.wait()
+        self._add_transient("device", -staged_bytes)
+        if record.partition == "broadcast":
+            if record.rank != record.owner:
+                return
+            out = out / record.world_size
+        if record.compute_dtype == torch.float16:
+            out = out.to(torch.float32) / self.fp16_scaler.scale
+            self.fp16_scaler.check(out)
+        start, stop = record.tile_local_range(tile)
+        if record.opt_tier == "nvme":
+            pending = record._tile_queues.get("grad_pending")
+            if pending is None:
+                pending = record._tile_queues["grad_pending"] = (
+                    torch.zeros(record.local_numel, dtype=torch.float32), set())
+                self._add_transient("cpu", _nbytes(pending[0]))
+            gathered_grad, done = pending
+            gathered_grad[start:stop].copy_(out)
+            done.add(tile)
+            if len(done) == len(record.tile_rows):
+                del record._tile_queues["grad_pending"]
+                self._add_transient("cpu", -_nbytes(gathered_grad))
+                self._swap_grad(record, gathered_grad)
+            return
+        grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
+        if record.grad_shard is None:
+            record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
+            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard))
+        record.grad_shard[start:stop].add_(out.to(grad_device))
 
     # --- gradients ---------------------------------------------------------------
 
-    def reduce_grad_start(self, uid: int, grad: torch.Tensor) -> None:
-        """Start averaging ``grad`` over ranks into this rank's slice (or to the owner)."""
+    def reduce_grad_start(self, uid: int, grad: torch.Tensor, tile: int | None = None) -> None:
+        """Start averaging ``grad`` over ranks into this rank's slice (or to the owner).
+
+        ``tile``: ``grad`` is the gradient of that row tile only.
+        """
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_reduce_start(record, grad, tile)
         flat_grad = grad.detach().reshape(-1)
+        if (record.world_size == 1 and record.partition == "allgather" and record.tile_rows is None
+                and record.compute_dtype != torch.float16 and record.numel == record.shard_numel):
+            # World size 1: nothing to average.  One private fp32 copy where the optimizer
+            # steps (the graph may reuse the gradient's memory as soon as this op returns).
+            grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
+            out = flat_grad.to(device=grad_device, dtype=torch.float32, copy=True)
+            record._reduces.append((_DONE, out, out, True))
+            self._add_transient("device", _nbytes(out), what=f"reduce_grad_start of {record.name}")
+            return
         if record.compute_dtype == torch.float16:
             flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
         if record.partition == "allgather":
             staging = torch.zeros(record.gathered_numel, dtype=record.compute_dtype, device=grad.device)
-            staging[: record.numel].copy_(flat_grad)
+            if record.tile_rows is not None:
+                _tile_major_into(record, staging, flat_grad)
+            else:
+                staging[: record.numel].copy_(flat_grad)
             out = torch.empty(record.shard_numel, dtype=record.compute_dtype, device=grad.device)
             work = self.comm.reduce_scatter_avg(out, staging)
         else:
             staging = flat_grad.to(record.compute_dtype, copy=True)
             out = staging
             work = self.comm.reduce_sum(staging, dst=record.owner)
-        record._reduces.append((work, out, staging))
-        self._add_transient("device", _nbytes(staging) + (_nbytes(out) if out is not staging else 0))
+        record._reduces.append((work, out, staging, False))
+        self._add_transient("device", _nbytes(staging) + (_nbytes(out) if out is not staging else 0),
+                            what=f"reduce_grad_start of {record.name}")
 
-    def reduce_grad_wait(self, uid: int) -> None:
+    def reduce_grad_wait(self, uid: int, tile: int | None = None) -> None:
         """Finish the oldest in-flight reduce of ``uid`` and add it to the gradient shard.
 
         The gradient shard lives where the optimizer steps: on the device, or
@@ -449,9 +735,11 @@ class ParamStore:
         happens here, right after the reduction).
         """
         record = self._records[uid]
+        if tile is not None:
+            return self._tile_reduce_wait(record, tile)
         if not record._reduces:
             raise ZinfStoreError(f"reduce_grad_wait for {record.name} without a reduce_grad_start")
-        work, out, staging = record._reduces.pop(0)
+        work, out, staging, private = record._reduces.pop(0)
         work.wait()
         self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)))
         if record.partition == "broadcast":
@@ -466,7 +754,8 @@ class ParamStore:
             return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         if record.grad_shard is None:
-            record.grad_shard = out.to(device=grad_device, dtype=torch.float32, copy=True)
+            # ``private``: already a copy of our own, in fp32 where the optimizer steps.
+            record.grad_shard = out if private else out.to(device=grad_device, dtype=torch.float32, copy=True)
             self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard))
         else:
             record.grad_shard.add_(out.to(grad_device))
@@ -518,11 +807,7 @@ class ParamStore:
 
     def _drain_grad_writes(self, keep: int) -> None:
         while len(self._grad_writes) > keep:
-            request, staging = self._grad_writes.pop(0)
-            try:
-                request.wait()
-            finally:
-                staging.release()
+            _finish_oldest_write(self._grad_writes)
 
     def finish_grad_writes(self) -> None:
         """Wait for every gradient swap write in flight (before the step reads them)."""
@@ -545,12 +830,36 @@ class ParamStore:
     # --- after the optimizer step -----------------------------------------------
 
     def publish(self, record: ParamRecord, master: torch.Tensor) -> None:
-        """Write an updated fp32 master slice back to the parameter tier, in compute dtype."""
+        """Write an updated fp32 master slice back to the parameter tier, in compute dtype.
+
+        nvme tier: the write runs in the background (up to half the pinned
+        pool in flight); :meth:`finish_publish` waits for them.
+        """
         if record.param_tier == "nvme":
             if record.owns_state:
-                self._write_swap(record.swap, record.param_key, master.to(record.compute_dtype))
+                nbytes = record.shard_bytes
+                # Up to half the pinned pool in flight (at least one write): the
+                # optimizer steps the next chunk of masters meanwhile.
+                self._drain_publish_writes(max(self._pool(nbytes).capacity_bytes // 2 - nbytes, 0))
+                staging = self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS)
+                try:
+                    staging.tensor(record.compute_dtype, record.local_numel).copy_(master)
+                    request = record.swap.write(record.param_key, staging, nbytes)
+                except BaseException:
+                    staging.release()
+                    raise
+                self._publish_writes.append((request, staging))
         elif master is not record.shard:
             record.shard.copy_(master)
+
+    def _drain_publish_writes(self, keep_bytes: int) -> None:
+        """Wait for the oldest parameter writes until at most ``keep_bytes`` are in flight."""
+        while self._publish_writes and sum(request.nbytes for request, _ in self._publish_writes) > keep_bytes:
+            _finish_oldest_write(self._publish_writes)
+
+    def finish_publish(self) -> None:
+        """Wait for the parameter writes :meth:`publish` started (before their transaction ends)."""
+        self._drain_publish_writes(0)
 
     def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""
@@ -578,7 +887,16 @@ class ParamStore:
         self.resting[tier] += delta
         self._note_peak(tier)
 
-    def _add_transient(self, tier: str, delta: int) -> None:
+    def _add_transient(self, tier: str, delta: int, what: str | None = None) -> None:
+        """Count ``delta`` bytes gathered or in flight on ``tier``; ``what``: the op, named by a budget error."""
+        limit = self.device_memory_limit
+        if tier == "device" and delta > 0 and limit is not None and self.transient[tier] + delta > limit:
+            raise ZinfBudgetError(
+                f"device_memory_limit exceeded: {what or 'a transfer'} needs {delta:,} bytes on the device while "
+                f"{self.transient[tier]:,} bytes are already gathered or in flight ({self.transient[tier] + delta:,} "
+                f"> device_memory_limit={limit:,}); raise device_memory_limit, let the tile pass split the op "
+                f"(a lower tile_threshold, a larger tile_factor or tile_factor='auto'), or lower max_live_bytes"
+            )
         self.transient[tier] += delta
         self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
         self._note_peak(tier)
@@ -660,8 +978,85 @@ class Fp16GradScaler:
         return False
 
 
+def _finish_oldest_write(writes: list) -> None:
+    """Wait for the oldest (request, pinned staging) of ``writes`` and give its buffer back."""
+    request, staging = writes.pop(0)
+    try:
+        request.wait()
+    finally:
+        staging.release()
+
+
+class _DoneWork:
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _DoneWork()
+
+
+def _finish_copy(work, staging) -> None:
+    """A cg copy is done for the graph; its pinned staging buffer (nc) goes back once the host sees it done."""
+    if staging is None:
+        work.wait()
+        return
+    try:
+        work.synchronize()
+    finally:
+        staging.release()
+    work.wait()
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _tile_rows(tile_rows, param: torch.Tensor) -> tuple[int, ...] | None:
+    if tile_rows is None:
+        return None
+    tile_rows = tuple(int(rows) for rows in tile_rows)
+    if param.dim() < 2 or sum(tile_rows) != param.shape[0] or min(tile_rows) < 1:
+        raise ZinfStoreError(f"tile_rows {tile_rows} do not split the {tuple(param.shape)} parameter's rows")
+    return tile_rows
+
+
+def _untile(record: ParamRecord, gathered: torch.Tensor) -> torch.Tensor:
+    """The full parameter from an all-gather of tile-major shards (rank-major: every rank's tiles in turn)."""
+    by_rank = gathered.view(record.world_size, record.shard_numel)
+    pieces = []
+    for tile in range(len(record.tile_rows)):
+        start, stop = record.tile_local_range(tile)
+        pieces.append(by_rank[:, start:stop].reshape(-1)[: record.tile_numel(tile)])
+    return torch.cat(pieces).view(record.shape)
+
+
+def _tile_major_into(record: ParamRecord, staging: torch.Tensor, flat: torch.Tensor) -> None:
+    """Scatter a full flat gradient into a zeroed reduce-scatter input laid out like :func:`_untile`'s."""
+    by_rank = staging.view(record.world_size, record.shard_numel)
+    begin = 0
+    for tile in range(len(record.tile_rows)):
+        start, stop = record.tile_local_range(tile)
+        numel = record.tile_numel(tile)
+        padded = torch.zeros((stop - start) * record.world_size, dtype=staging.dtype, device=staging.device)
+        padded[:numel].copy_(flat[begin : begin + numel])
+        by_rank[:, start:stop].copy_(padded.view(record.world_size, stop - start))
+        begin += numel
+
+
+def _tile_major_slice(flat: torch.Tensor, tile_rows, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's fp32 shard of a tiled parameter: its padded slice of every row tile, in tile order."""
+    row_numel = flat.numel() // sum(tile_rows)
+    pieces, start = [], 0
+    for rows in tile_rows:
+        tile = flat[start : start + rows * row_numel]
+        start += rows * row_numel
+        tile_shard_numel = -(-tile.numel() // world_size)
+        piece = torch.zeros(tile_shard_numel, dtype=torch.float32, device=flat.device)
+        lo, hi = rank * tile_shard_numel, min((rank + 1) * tile_shard_numel, tile.numel())
+        if hi > lo:
+            piece[: hi - lo].copy_(tile[lo:hi])
+        pieces.append(piece)
+    return torch.cat(pieces)
 
 
 STORE = ParamStore()

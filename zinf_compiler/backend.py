@@ -25,6 +25,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .context import CapturedGraph, GraphContext
+from .cost_model import CostModel, profile_machine
+from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
 from .runtime.store import DTYPES, STORE
 from .dump import GraphDumper
@@ -52,16 +54,28 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
 def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> Callable:
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
+    # The budget the runtime enforces on gathered and in-flight device bytes.
+    STORE.device_memory_limit = options.device_memory_limit
     if options.stage > 0:
         plan_offload(list(captured.param_tensors.values()), options)
+        from zinf_compiler.passes import tile as tile_pass
+
+        # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
+        tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
         for position, param in captured.param_tensors.items():
             captured.param_uids[position] = STORE.adopt(
                 param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
                 param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
-                opt_tier=TIERS[options.offload_optimizer],
+                opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_plans.get(position),
             )
+            adopted_tiles = STORE.record(captured.param_uids[position]).tile_rows
+            if adopted_tiles is not None:
+                captured.tile_rows[position] = adopted_tiles
+    _plan_schedule(captured, options)
     dumper = GraphDumper(captured)
     dumper.dump_dynamo(gm)
+    if dumper.enabled:
+        TRACER.arm(dumper.root, options.trace_step, STORE.trace_sample)
     rewrite = functools.partial(_rewrite_aten_graph, captured, dumper)
     # The AOTAutograd cache would hand back a previously compiled graph and skip
     # our hooks, silently dropping every pass: keep it off for zinf graphs.
@@ -76,6 +90,33 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
 
 TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
+def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
+    """Device bytes the tile plan must fit: ``device_memory_limit``, else free CUDA memory, else unknown."""
+    if options.device_memory_limit is not None:
+        return options.device_memory_limit
+    devices = {param.device for param in captured.param_tensors.values()}
+    if len(devices) == 1 and (device := devices.pop()).type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return free_bytes
+    return None
+
+
+def _plan_schedule(captured: CapturedGraph, options: ZinfOptions) -> None:
+    """What the schedule pass needs from this machine: its cost model and the caps it must keep."""
+    devices = [param.device for param in captured.param_tensors.values()]
+    device = devices[0] if devices else torch.device("cpu")
+    nvme_path = options.nvme_path if "nvme" in (options.offload_param, options.offload_optimizer) else None
+    profile = profile_machine(device, DTYPES[options.param_dtype], nvme_path, captured.world_size)
+    captured.cost_model = CostModel(profile, captured.world_size, STORE.prefetch_pinned_bytes())
+    if options.max_live_bytes != "auto":
+        captured.live_bytes_cap = options.max_live_bytes
+    elif options.device_memory_limit is not None:
+        captured.live_bytes_cap = options.device_memory_limit
+    elif profile.free_device_bytes is not None:
+        captured.live_bytes_cap = profile.free_device_bytes // 2  # the other half: activations
+    captured.pinned_capacity = STORE.prefetch_pinned_bytes()
 
 
 def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
@@ -99,6 +140,12 @@ def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
     validate_folder(options.nvme_path, needed)
 
 
+# The schedule pass's order is the plan: Inductor may fuse kernels but must not
+# move zinf's starts and waits (its peak-memory reordering pulled gathers earlier).
+_KEEP_NODE_ORDER = {name: False for name in ("reorder_for_peak_memory", "reorder_for_locality",
+                                              "reorder_for_compute_comm_overlap")}
+
+
 def _compile_with_inductor(gm, example_inputs, rewrite) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -110,7 +157,8 @@ def _compile_with_inductor(gm, example_inputs, rewrite) -> Callable:
         else:
             kind = "forward"
         aten_gm = rewrite(aten_gm, kind)
-        return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        with torch._inductor.config.patch(_KEEP_NODE_ORDER):
+            return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
 
     return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 

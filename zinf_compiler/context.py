@@ -68,7 +68,18 @@ class CapturedGraph:
     input_by_placeholder: dict[str, InputInfo] = dataclasses.field(default_factory=dict)
     # Dynamo position -> the runtime store's uid of the adopted parameter.
     param_uids: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Dynamo position -> rows per tile of a parameter the tile pass splits
+    # (its layout in the store, fixed when the parameter was first adopted).
+    tile_rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     world_size: int = 1
+    # Caps the schedule pass keeps (set by the backend): device bytes gathered
+    # or in flight (max_live_bytes, None: no cap) and pinned host bytes the nc
+    # reads may hold (None: not offloaded to NVMe).
+    live_bytes_cap: int | None = None
+    pinned_capacity: int | None = None
+    # The machine's cost model (:class:`zinf_compiler.cost_model.CostModel`),
+    # profiled by the backend at the first compile; None outside the backend.
+    cost_model: Any = None
 
     @classmethod
     def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> "CapturedGraph":
@@ -137,3 +148,12 @@ class GraphContext:
 
     def param_bytes(self) -> int:
         return sum(info.nbytes for info in self.params.values())
+
+    @property
+    def cost_model(self) -> Any:
+        """The :class:`~zinf_compiler.cost_model.CostModel` of this machine (nominal rates outside the backend)."""
+        if self.captured.cost_model is None:
+            from .cost_model import CostModel, nominal_profile
+
+            self.captured.cost_model = CostModel(nominal_profile(), self.captured.world_size)
+        return self.captured.cost_model

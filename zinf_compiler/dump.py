@@ -128,8 +128,13 @@ class GraphDumper:
         before: collections.Counter | None,
         seconds: float,
         extra_header: list[str] | None = None,
+        table: dict | None = None,
     ) -> None:
-        """Write ``<kind>.<step>_<stage>.py`` and record it in the index."""
+        """Write ``<kind>.<step>_<stage>.py`` (and ``<kind>.<stage>.json`` for a table) and record them in the index.
+
+        The header lines of a pass go into the index as ``notes`` unless it
+        also gives a table (the table is the structured form then).
+        """
         if not self.enabled:
             return
         after = op_counts(gm)
@@ -144,9 +149,15 @@ class GraphDumper:
         ] + list(extra_header or [])
         filename = f"{ctx.kind}.{step:02d}_{stage}.py"
         self._write_graph(filename, header, gm)
+        entry = {"stage": stage, "file": filename, "ops": sum(after.values()), "change": change}
+        if table is not None:
+            entry["table"] = f"{ctx.kind}.{stage}.json"
+            with open(os.path.join(self.folder, entry["table"]), "w") as handle:
+                json.dump(table, handle, indent=1, default=str)
+        elif extra_header:
+            entry["notes"] = list(extra_header)
         with _index_lock:
-            stages = self._entry()["graphs"].setdefault(ctx.kind, [])
-            stages.append({"stage": stage, "file": filename, "ops": sum(after.values()), "change": change})
+            self._entry()["graphs"].setdefault(ctx.kind, []).append(entry)
             self._write_index()
 
     def record_skipped(self, ctx: GraphContext, stage: str, reason: str) -> None:

@@ -26,6 +26,10 @@ import torch
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import STORE, ParamRecord
+from zinf_compiler.runtime.trace import TRACER
+
+# With parameters on NVMe, masters are stepped and written back this many bytes at a time.
+PUBLISH_CHUNK_BYTES = 32 << 20
 
 _LIVE_OPTIMIZERS: "weakref.WeakSet[ZinfOptimizer]" = weakref.WeakSet()
 
@@ -118,6 +122,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        TRACER.mark("optimizer step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -129,6 +134,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if STORE.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].shard.device):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 STORE.drop_grads(self._records())
+                TRACER.step_done()
                 return loss
         for slot in self._memory_slots():
             if slot.master is not slot.param:
@@ -146,16 +152,44 @@ class ZinfOptimizer(torch.optim.Optimizer):
             except Exception:
                 self._nvme.steps = steps_before
                 raise
-        self._inner.step()
-        with _swap_transaction(slot.record for slot in self._memory_slots() if slot.record is not None):
-            for slot in self._memory_slots():
-                if slot.record is not None and slot.record.stage > 0:
-                    STORE.publish(slot.record, slot.master)
+        self._step_and_publish()
         STORE.refresh_full_params(self._records())
         self._account_state()
         if any(r.param_tier != "device" or r.opt_tier != "device" for r in self._records()):
             trim()  # offloading is about bounded host memory: hand this step's freed staging back
+        TRACER.step_done()
         return loss
+
+    def _step_and_publish(self) -> None:
+        """Step the in-memory masters and write them back to their parameter tier.
+
+        With parameters on NVMe the inner optimizer steps ~PUBLISH_CHUNK_BYTES
+        of masters at a time, and each chunk's writes run while the next
+        chunk steps (state is per parameter, so stepping a subset is the same
+        arithmetic).  The writes form one transaction: all land or none.
+        """
+        slots = self._memory_slots()
+        if not any(slot.record is not None and slot.record.param_tier == "nvme" for slot in slots):
+            chunks = [slots]
+        else:
+            chunks, chunk, chunk_bytes = [], [], 0
+            for slot in slots:
+                chunk.append(slot)
+                chunk_bytes += slot.master.numel() * slot.master.element_size()
+                if chunk_bytes >= PUBLISH_CHUNK_BYTES:
+                    chunks.append(chunk)
+                    chunk, chunk_bytes = [], 0
+            chunks.append(chunk)
+        with _swap_transaction(slot.record for slot in slots if slot.record is not None):
+            try:
+                for chunk in chunks:
+                    with _stepping_only(self._inner, chunk if len(chunks) > 1 else None):
+                        self._inner.step()
+                    for slot in chunk:
+                        if slot.record is not None and slot.record.stage > 0:
+                            STORE.publish(slot.record, slot.master)
+            finally:
+                STORE.finish_publish()  # inside the transaction: its writes commit together
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # full gradients in param.grad (unsharded params, stage 1)
@@ -267,6 +301,22 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for tier in ("device", "cpu"):
             STORE.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier])
             self._state_bytes[tier] = held[tier]
+
+
+@contextlib.contextmanager
+def _stepping_only(inner: torch.optim.Optimizer, slots: list[_Slot] | None):
+    """Within the block, ``inner.step()`` updates only these slots' masters (None: all)."""
+    if slots is None:
+        yield
+        return
+    wanted = {id(slot.master) for slot in slots}
+    groups = inner.param_groups
+    subset = [{**group, "params": [p for p in group["params"] if id(p) in wanted]} for group in groups]
+    inner.param_groups = [group for group in subset if group["params"]]
+    try:
+        yield
+    finally:
+        inner.param_groups = groups
 
 
 def _swap_transaction(records) -> contextlib.ExitStack:

@@ -142,7 +142,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("prefetch_cg", 2, _int_at_least(0), "ops ahead to start CPU->device copies"),
     OptionSpec("prefetch_gg", 1, _int_at_least(0), "ops ahead to start allgathers"),
     OptionSpec("max_live_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
-               "cap on gathered params alive at once"),
+               "cap on device bytes gathered or in flight at once (auto: device_memory_limit, "
+               "else half the free device memory)"),
     OptionSpec("device_memory_limit", None, _or_keyword("none", parse_bytes, "a byte count"),
                "device-memory budget the planner must fit"),
     OptionSpec("aio_block_size", 1024**2, parse_bytes, "NVMe request size"),
@@ -155,6 +156,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("lower", "inductor", _choice("inductor", "eager"),
                "how rewritten graphs run: Inductor, or the FX graph's own Python code"),
     OptionSpec("dump_dir", None, _path_or_none, "write inspection dumps here"),
+    OptionSpec("trace_step", 2, _int_at_least(0),
+               "with dump_dir: the optimizer step traced to trace.json and memory.png (0: none)"),
     OptionSpec("disable_passes", (), _name_list, "pass names to skip, e.g. 'schedule,tile'"),
 )
 
@@ -194,6 +197,7 @@ class ZinfOptions:
     pinned_bytes: int | str
     lower: str
     dump_dir: str | None
+    trace_step: int
     disable_passes: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:

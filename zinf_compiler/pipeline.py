@@ -43,7 +43,13 @@ def run_passes(
         gm = graph_pass.run(gm, ctx)
         seconds = time.perf_counter() - pass_started
         verify_graph(gm, ctx, graph_pass.NAME, signature)
-        dumper.dump_stage(gm, ctx, step, graph_pass.NAME, before, seconds)
+        # A pass may describe what it did (``describe(ctx) -> lines``) for the dump header and index.
+        # and a table (``table(ctx) -> dict``, written as ``<kind>.<pass>.json``).
+        describe = getattr(graph_pass, "describe", None)
+        table = getattr(graph_pass, "table", None)
+        dumper.dump_stage(gm, ctx, step, graph_pass.NAME, before, seconds,
+                          extra_header=describe(ctx) if describe is not None and dumper.enabled else None,
+                          table=table(ctx) if table is not None and dumper.enabled else None)
     log.info("zinf: graph %d %s: %d ops after passes (%.2fs)", ctx.graph_id, ctx.kind,
              sum(op_counts(gm).values()), time.perf_counter() - started)
     return gm

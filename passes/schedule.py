@@ -1,0 +1,520 @@
+"""The ``schedule`` pass: start every fetch ahead of its use and let reductions overlap backward.
+
+The partition and offload passes leave each parameter's fetch as a chain
+right before its first use::
+
+    nc_start -> nc_wait -> cg_start -> cg_wait -> gather_start -> gather_wait -> use ... release
+
+so every transfer is waited on as soon as it starts.  This pass only moves
+nodes (it adds and removes none), so the graph's values are unchanged.
+
+Ops.  The graph's *ops* are the computations that use a gathered parameter:
+the first user of each ``gather_wait``, followed through views (the weight
+``permute`` of a linear is not an op; the ``addmm`` is, and the weight and
+bias of one linear belong to the same op).  A graph without gathers (stage
+1/2 backward) takes its gradient-producing nodes as ops.  Op ``k`` is the
+k-th such node in graph order.
+
+Fetch placement.  For a parameter first used by op ``k``, with distances
+``gg = prefetch_gg``, ``cg = max(prefetch_cg, gg)`` and ``nc =
+max(prefetch_nc, cg)`` (a read must finish before its copy, a copy before its
+gather)::
+
+    nc_start                 before op k - nc
+    nc_wait,  cg_start       before op k - cg
+    cg_wait,  gather_start   before op k - gg
+    gather_wait              stays right before the first use
+
+A distance of 0 leaves that part where it was (no prefetch); ``k - d < 0``
+means the top of the graph.  So before op i runs, nc for op i+nc, cg for op
+i+cg and gg for op i+gg are in flight, the paper's prefetch rule.
+
+Backward reductions.  ``reduce_grad_start`` stays right after its gradient;
+its wait moves to just before the second op after it, so the reduce-scatter
+of op i+1's gradient runs during op i's compute (with the nvme optimizer
+tier, the wait hands the reduced gradient to asynchronous swap writes, which
+then overlap the ops after it).
+
+Caps.  Simulating the runtime's accounting on the final order (cg staging +
+gathered buffers + reduce staging, the device bytes ``STORE`` counts as
+transient), no point may exceed ``max_live_bytes`` (``ctx.captured.live_bytes_cap``:
+the option, or the backend's auto value); pinned bytes of nc reads in flight
+may not exceed ``ctx.captured.pinned_capacity`` (a prefetch waiting for a
+pinned buffer only the graph's later nodes free would deadlock).  Units are
+placed in op order, each at its full distances if the caps allow, else at the
+largest ones that fit (distances shrink one op at a time, cg/gg before nc).
+If the graph without any prefetch already exceeds the cap, nothing is
+prefetched (the runtime's device_memory_limit check names the op that needs
+more).
+
+The result is a deterministic function of the graph and options.  Records
+``ctx.facts["schedule"]``: the table dumped as ``<kind>.schedule.json`` and
+printed in the dump header (op, what is in flight, live bytes, the cost
+model's estimates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zinf_compiler import ops
+from zinf_compiler.context import GraphContext
+from zinf_compiler.graph_utils import output_node
+from zinf_compiler.runtime.store import DTYPES
+
+NAME = "schedule"
+KINDS = ("forward", "backward", "inference")
+
+ALIGNMENT = 4096  # the pinned pool rounds every block up to this
+REDUCE_DELAY = 1  # ops a gradient's reduction runs across before it is waited on
+
+
+@dataclasses.dataclass(eq=False)
+class _Fetch:
+    """One gather (of a parameter or one tile of it) and the nc/cg steps feeding it."""
+
+    name: str
+    uid: int
+    tile: int
+    wait: torch.fx.Node  # gather_wait: never moves
+    groups: dict  # "nc" / "cg" / "gg" -> nodes moved together, in chain order
+    release: torch.fx.Node | None
+    op: int = 0  # the op that first uses the parameter
+    shard_bytes: int = 0  # cg staging on the device (0: the shard rests on the device)
+    gathered_bytes: int = 0
+    pinned_bytes: int = 0  # nc staging in pinned host memory (0: not on NVMe)
+    distance: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (after caps)
+    wanted: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (before caps)
+
+
+@dataclasses.dataclass(eq=False)
+class _Reduce:
+    name: str
+    uid: int
+    tile: int
+    start: torch.fx.Node
+    wait: torch.fx.Node
+    staging_bytes: int
+    delay: int = 0  # ops the wait is pushed past (0: right after the start)
+    wanted: int = 0
+
+
+def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    fetches = _find_fetches(nodes, ctx)
+    reduces = _find_reduces(nodes, ctx)
+    if not fetches and not reduces:
+        ctx.facts["schedule"] = None
+        return gm
+    op_nodes = _ops(nodes, fetches, reduces)
+    position = {node: index for index, node in enumerate(nodes)}
+    op_index = {node: index for index, node in enumerate(op_nodes)}
+    for fetch in fetches:
+        fetch.op = op_index[_anchor(fetch.wait, position)]
+    distances = _distances(ctx)
+    top = next(node for node in nodes if node.op != "placeholder" and not _is_chain(node, fetches))
+    planner = _Planner(nodes, op_nodes, top, fetches, reduces)
+    device_cap = ctx.captured.live_bytes_cap
+    pinned_cap = ctx.captured.pinned_capacity
+    baseline_peak = planner.simulate()["peak_device"]
+    note = None
+    allowed = device_cap is None or baseline_peak <= device_cap
+    if not allowed:
+        note = (f"max_live_bytes={device_cap:,} is below what the graph holds without prefetch "
+                f"({baseline_peak:,} bytes): nothing is prefetched")
+    for fetch in sorted(fetches, key=lambda f: (f.op, position[f.wait])):
+        fetch.wanted = {step: distances[step] if fetch.groups.get(step) else 0 for step in ("nc", "cg", "gg")}
+        planner.place_fetch(fetch, device_cap, pinned_cap, allowed)
+    for reduce in sorted(reduces, key=lambda r: position[r.start]):
+        reduce.wanted = REDUCE_DELAY
+        planner.place_reduce(reduce, device_cap, allowed)
+    planner.apply(graph)
+    ctx.facts["schedule"] = _table(ctx, graph, planner, distances, device_cap, pinned_cap, note)
+    gm.recompile()
+    return gm
+
+
+# --- finding what to schedule ------------------------------------------------------------------
+
+
+def _is_chain(node: torch.fx.Node, fetches: list[_Fetch]) -> bool:
+    return node.op == "call_function" and node.target in (
+        ops.NC_START, ops.NC_WAIT, ops.CG_START, ops.CG_WAIT, ops.GATHER_START, ops.GATHER_WAIT)
+
+
+def _tile_arg(node: torch.fx.Node, index: int) -> int:
+    return node.args[index] if len(node.args) > index else node.kwargs.get("tile", -1)
+
+
+def _param_sizes(ctx: GraphContext, param_node: torch.fx.Node, tile: int) -> tuple[int, int, int]:
+    """(shard bytes on this rank, gathered bytes, pinned bytes of its nc read) of a parameter or tile."""
+    info = ctx.params.get(param_node.name)
+    value = param_node.meta.get("val")
+    numel = int(value.numel()) if isinstance(value, torch.Tensor) else 0
+    itemsize = DTYPES[ctx.options.param_dtype].itemsize
+    world = max(ctx.captured.world_size, 1)
+    rows = ctx.captured.tile_rows.get(info.position) if info is not None else None
+    if rows is not None and tile >= 0:
+        part = numel // sum(rows) * rows[tile]
+    else:
+        part = numel
+    if ctx.options.partition == "allgather":
+        shard, gathered = -(-part // world), -(-part // world) * world
+        full_shard = -(-numel // world) + (len(rows) if rows else 0)
+    else:
+        shard, gathered, full_shard = part, part, numel
+    pinned = -(-full_shard * itemsize // ALIGNMENT) * ALIGNMENT
+    return shard * itemsize, gathered * itemsize, pinned
+
+
+def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]:
+    fetches = []
+    for node in nodes:
+        if node.op != "call_function" or node.target is not ops.GATHER_WAIT:
+            continue
+        start = node.args[0]
+        param_node, uid = start.args[0], start.args[1]
+        tile = _tile_arg(start, 3)
+        groups = {"gg": [start]}
+        after = start.args[2] if len(start.args) > 2 else None
+        if isinstance(after, torch.fx.Node) and after.target is ops.CG_WAIT:
+            cg_start = after.args[0]
+            groups["gg"] = [after, start]
+            groups["cg"] = [cg_start]
+            source = cg_start.args[0]
+            if isinstance(source, torch.fx.Node) and source.target is ops.NC_WAIT:
+                groups["cg"] = [source, cg_start]
+                groups["nc"] = [source.args[0]]
+        release = next((user for user in node.users if user.target is ops.RELEASE), None)
+        shard_bytes, gathered_bytes, pinned_bytes = _param_sizes(ctx, param_node, tile)
+        info = ctx.params.get(param_node.name)
+        name = info.name if info is not None else param_node.name
+        fetches.append(_Fetch(
+            name=name + (f"[tile {tile}]" if tile >= 0 else ""), uid=uid, tile=tile, wait=node, groups=groups,
+            release=release, shard_bytes=shard_bytes if "cg" in groups else 0, gathered_bytes=gathered_bytes,
+            pinned_bytes=pinned_bytes if "nc" in groups else 0))
+    return fetches
+
+
+def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce]:
+    reduces = []
+    names = {info.position: info.name for info in ctx.captured.params}
+    uid_names = {uid: names.get(position, str(uid)) for position, uid in ctx.captured.param_uids.items()}
+    for node in nodes:
+        if node.op != "call_function" or node.target is not ops.REDUCE_GRAD_START:
+            continue
+        wait = next(user for user in node.users if user.target is ops.REDUCE_GRAD_WAIT)
+        grad, uid = node.args[0], node.args[1]
+        tile = _tile_arg(node, 2)
+        value = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
+        numel = int(value.numel()) if isinstance(value, torch.Tensor) else 0
+        itemsize = DTYPES[ctx.options.param_dtype].itemsize
+        world = max(ctx.captured.world_size, 1)
+        if ctx.options.partition == "allgather":
+            staging = (-(-numel // world) * world + -(-numel // world)) * itemsize
+        else:
+            staging = numel * itemsize
+        reduces.append(_Reduce(name=uid_names.get(uid, str(uid)) + (f"[tile {tile}]" if tile >= 0 else ""),
+                               uid=uid, tile=tile, start=node, wait=wait, staging_bytes=staging))
+    return reduces
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.is_view)
+
+
+def _anchor(gathered: torch.fx.Node, position: dict) -> torch.fx.Node:
+    """The op of a gathered parameter: its first compute user, seen through views."""
+    node = gathered
+    while True:
+        users = [user for user in node.users if user.target is not ops.RELEASE and user.op != "output"]
+        if not users:
+            return node
+        node = min(users, key=position.__getitem__)
+        if not _is_view(node):
+            return node
+
+
+def _ops(nodes: list[torch.fx.Node], fetches: list[_Fetch], reduces: list[_Reduce]) -> list[torch.fx.Node]:
+    position = {node: index for index, node in enumerate(nodes)}
+    if fetches:
+        anchors = {_anchor(fetch.wait, position) for fetch in fetches}
+    else:
+        anchors = {reduce.start.args[0] for reduce in reduces if isinstance(reduce.start.args[0], torch.fx.Node)}
+    return sorted(anchors, key=position.__getitem__)
+
+
+def _distances(ctx: GraphContext) -> dict[str, int]:
+    gg = ctx.options.prefetch_gg
+    cg = max(ctx.options.prefetch_cg, gg)
+    return {"gg": gg, "cg": cg, "nc": max(ctx.options.prefetch_nc, cg)}
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+class _Planner:
+    """Where each moved group goes, and the accounting that the caps are checked against.
+
+    A placement is a target node (the group goes right before it); order keys
+    put moved groups before their target, in op order, chain order kept.
+    """
+
+    def __init__(self, nodes, op_nodes, top, fetches, reduces):
+        self.nodes = nodes
+        self.position = {node: index for index, node in enumerate(nodes)}
+        self.op_nodes = op_nodes
+        self.top = top
+        self.fetches = fetches
+        self.reduces = reduces
+        self.output = nodes[-1]
+        self.placed: list = []  # (fetch or reduce) in placement order: the tie-break among equal targets
+        self.target: dict = {}  # (unit, step) -> node the group goes before
+        for fetch in fetches:
+            fetch.distance = {step: 0 for step in fetch.groups if step in ("nc", "cg", "gg")}
+            for step in fetch.groups:
+                self.target[(fetch, step)] = fetch.wait
+        for reduce in reduces:
+            self.target[(reduce, "wait")] = None  # None: where it is (right after its start)
+
+    def fetch_target(self, fetch: _Fetch, distance: int) -> torch.fx.Node:
+        if distance == 0:
+            return fetch.wait
+        index = fetch.op - distance
+        node = self.op_nodes[index] if index >= 0 else self.top
+        # Never after its own wait (a first use that precedes the op, e.g. an early view).
+        return min(node, fetch.wait, key=self.position.__getitem__)
+
+    def reduce_target(self, reduce: _Reduce, delay: int) -> torch.fx.Node | None:
+        if delay == 0:
+            return None
+        start = self.position[reduce.start]
+        later = [node for node in self.op_nodes if self.position[node] > start]
+        return later[delay] if len(later) > delay else self.output
+
+    def order(self) -> list[torch.fx.Node]:
+        """The node order this placement gives."""
+        moved_before: dict = {}
+        moved = set()
+        for unit in self.placed:
+            if isinstance(unit, _Fetch):
+                for step in ("nc", "cg", "gg"):
+                    if step in unit.groups:
+                        target = self.target[(unit, step)]
+                        moved_before.setdefault(target, []).extend(unit.groups[step])
+                        moved.update(unit.groups[step])
+            else:
+                target = self.target[(unit, "wait")]
+                if target is not None:
+                    moved_before.setdefault(target, []).append(unit.wait)
+                    moved.add(unit.wait)
+        order = []
+        for node in self.nodes:
+            order.extend(moved_before.get(node, ()))
+            if node not in moved:
+                order.append(node)
+        return order
+
+    def simulate(self, order: list[torch.fx.Node] | None = None) -> dict:
+        """Device and pinned bytes after each node of ``order``, as the store counts them."""
+        order = order or self.order()
+        deltas: dict = {}
+        for fetch in self.fetches:
+            if "nc" in fetch.groups:
+                deltas.setdefault(fetch.groups["nc"][0], []).append(("pinned", fetch.pinned_bytes))
+            if "cg" in fetch.groups:
+                cg_start = fetch.groups["cg"][-1]
+                deltas.setdefault(cg_start, []).append(("device", fetch.shard_bytes))
+                cg_wait = fetch.groups["gg"][0]
+                deltas.setdefault(cg_wait, []).append(("pinned", -fetch.pinned_bytes))
+            gather_start = fetch.groups["gg"][-1]
+            deltas.setdefault(gather_start, []).append(("device", fetch.gathered_bytes - fetch.shard_bytes))
+            if fetch.release is not None:
+                deltas.setdefault(fetch.release, []).append(("device", -fetch.gathered_bytes))
+        for reduce in self.reduces:
+            deltas.setdefault(reduce.start, []).append(("device", reduce.staging_bytes))
+            deltas.setdefault(reduce.wait, []).append(("device", -reduce.staging_bytes))
+        live = {"device": 0, "pinned": 0}
+        after = {}
+        peak = {"device": 0, "pinned": 0}
+        for node in order:
+            for tier, delta in deltas.get(node, ()):
+                live[tier] += delta
+                peak[tier] = max(peak[tier], live[tier])
+            after[node] = dict(live)
+        return {"after": after, "peak_device": peak["device"], "peak_pinned": peak["pinned"], "order": order}
+
+    def _fits(self, device_cap, pinned_cap) -> bool:
+        result = self.simulate()
+        return ((device_cap is None or result["peak_device"] <= device_cap)
+                and (pinned_cap is None or result["peak_pinned"] <= pinned_cap))
+
+    def place_fetch(self, fetch: _Fetch, device_cap, pinned_cap, allowed: bool = True) -> None:
+        """The largest distances up to ``fetch.wanted`` that keep both caps; cg/gg shrink first."""
+        self.placed.append(fetch)
+        if allowed:
+            for distances in _shrinking(fetch.wanted):
+                self._set(fetch, distances)
+                if self._fits(device_cap, pinned_cap):
+                    return
+        self._set(fetch, {step: 0 for step in fetch.wanted})
+
+    def _set(self, fetch: _Fetch, distances: dict) -> None:
+        fetch.distance = {step: distances[step] for step in fetch.groups if step in distances}
+        for step, distance in fetch.distance.items():
+            self.target[(fetch, step)] = self.fetch_target(fetch, distance)
+
+    def place_reduce(self, reduce: _Reduce, device_cap, allowed: bool = True) -> None:
+        self.placed.append(reduce)
+        for delay in range(reduce.wanted if allowed else 0, -1, -1):
+            reduce.delay = delay
+            self.target[(reduce, "wait")] = self.reduce_target(reduce, delay)
+            if self._fits(device_cap, None):
+                return
+
+    def apply(self, graph: torch.fx.Graph) -> None:
+        order = self.order()
+        # Re-link the nodes in ``order`` (each node moved right after the previous one).
+        previous = None
+        for node in order:
+            if previous is not None and previous.next is not node:
+                previous.append(node)
+            previous = node
+        self.final_order = list(graph.nodes)
+
+
+def _shrinking(wanted: dict) -> list[dict]:
+    """Distance choices from ``wanted`` down to all zero: gg and cg shrink first (they hold device bytes).
+
+    Every choice keeps nc >= cg >= gg (a read before its copy, a copy before its gather).
+    """
+    nc, cg, gg = wanted.get("nc", 0), wanted.get("cg", 0), wanted.get("gg", 0)
+    choices = []
+    for device_ahead in range(max(cg, gg), -1, -1):
+        gg_ahead = min(gg, device_ahead)
+        cg_ahead = max(min(cg, device_ahead), gg_ahead)
+        for nc_ahead in range(max(nc, cg_ahead), cg_ahead - 1, -1):
+            choice = {"nc": nc_ahead, "cg": cg_ahead, "gg": gg_ahead}
+            if choice not in choices:
+                choices.append(choice)
+    return choices
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distances: dict, device_cap, pinned_cap,
+           note) -> dict:
+    order = list(graph.nodes)
+    position = {node: index for index, node in enumerate(order)}
+    simulated = planner.simulate(order)
+    cost = ctx.cost_model
+    op_nodes = planner.op_nodes
+    op_index = {node: index for index, node in enumerate(op_nodes)}
+    # The op each node belongs to: the last op at or before it (-1: before the first).
+    op_of, current = {}, -1
+    for node in order:
+        current = op_index.get(node, current)
+        op_of[node] = current
+
+    def op_at(node: torch.fx.Node) -> int:
+        return op_of[node]
+
+    transfers = []
+    for fetch in planner.fetches:
+        for step in ("nc", "cg", "gg"):
+            if step not in fetch.groups:
+                continue
+            if step == "nc":
+                start, wait = fetch.groups["nc"][0], fetch.groups["cg"][0]
+            elif step == "cg":
+                start, wait = fetch.groups["cg"][-1], fetch.groups["gg"][0]
+            else:
+                start, wait = fetch.groups["gg"][-1], fetch.wait
+            nbytes = {"nc": fetch.pinned_bytes, "cg": fetch.shard_bytes, "gg": fetch.gathered_bytes}[step]
+            transfers.append({
+                "param": fetch.name, "uid": fetch.uid, "tile": fetch.tile, "step": step,
+                "start": start.name, "wait": wait.name, "start_pos": position[start], "wait_pos": position[wait],
+                "use_op": fetch.op, "issued_before_op": fetch.op - fetch.distance[step] if fetch.distance[step] else None,
+                "wanted_distance": fetch.wanted[step], "distance": fetch.distance[step],
+                "capped": fetch.distance[step] < fetch.wanted[step], "bytes": nbytes,
+                "estimated_seconds": cost.transfer_seconds(step, nbytes),
+            })
+    for reduce in planner.reduces:
+        transfers.append({
+            "param": reduce.name, "uid": reduce.uid, "tile": reduce.tile, "step": "rs",
+            "start": reduce.start.name, "wait": reduce.wait.name, "start_pos": position[reduce.start],
+            "wait_pos": position[reduce.wait], "use_op": None, "issued_before_op": None,
+            "wanted_distance": reduce.wanted, "distance": reduce.delay, "capped": reduce.delay < reduce.wanted,
+            "bytes": reduce.staging_bytes, "estimated_seconds": cost.transfer_seconds("rs", reduce.staging_bytes),
+        })
+    # Per op: compute estimate of the nodes from this op to the next, what is in flight when it runs.
+    compute = [0.0] * len(op_nodes)
+    for node in order:
+        if op_of[node] >= 0:
+            compute[op_of[node]] += cost.node_seconds(node)
+    rows = []
+    for index, node in enumerate(op_nodes):
+        at = position[node]
+        in_flight = {step: [] for step in ("nc", "cg", "gg", "rs")}
+        for transfer in transfers:
+            if transfer["start_pos"] < at < transfer["wait_pos"]:
+                in_flight[transfer["step"]].append(transfer["param"])
+        region = [n for n in order if op_of[n] == index]
+        rows.append({
+            "op": index, "node": node.name, "target": _target_name(node.target),
+            "in_flight": in_flight,
+            "live_bytes": max(simulated["after"][n]["device"] for n in region),
+            "pinned_bytes": max(simulated["after"][n]["pinned"] for n in region),
+            "estimated_compute_seconds": compute[index],
+        })
+    before_first = [n for n in order if op_of[n] < 0]
+    return {
+        "graph": ctx.graph_id, "kind": ctx.kind,
+        "prefetch": {"nc": ctx.options.prefetch_nc, "cg": ctx.options.prefetch_cg, "gg": ctx.options.prefetch_gg},
+        "effective_distances": distances,
+        "max_live_bytes": device_cap, "pinned_capacity": pinned_cap, "note": note,
+        "peak_live_bytes": simulated["peak_device"], "peak_pinned_bytes": simulated["peak_pinned"],
+        "live_bytes_before_first_op": max((simulated["after"][n]["device"] for n in before_first), default=0),
+        "cost_model": cost.describe(),
+        "ops": rows, "transfers": transfers,
+    }
+
+
+def _target_name(target: Any) -> str:
+    return getattr(target, "__name__", str(target)) if not isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def describe(ctx: GraphContext) -> list[str]:
+    """Dump header lines: the cost model and one line per op (in flight, live bytes, estimates)."""
+    table = ctx.facts.get("schedule")
+    if not table:
+        return ["schedule: nothing to schedule in this graph"]
+    cap = table["max_live_bytes"]
+    lines = list(table["cost_model"]) + [
+        f"schedule: prefetch nc/cg/gg {table['effective_distances']['nc']}/{table['effective_distances']['cg']}/"
+        f"{table['effective_distances']['gg']} ops ahead (options {table['prefetch']['nc']}/{table['prefetch']['cg']}/"
+        f"{table['prefetch']['gg']}), max_live_bytes {'unlimited' if cap is None else f'{cap:,}'}, "
+        f"peak live {table['peak_live_bytes']:,} bytes, peak pinned {table['peak_pinned_bytes']:,} bytes",
+    ]
+    if table["note"]:
+        lines.append(f"schedule: {table['note']}")
+    capped = [t for t in table["transfers"] if t["capped"]]
+    if capped:
+        lines.append(f"schedule: {len(capped)} transfers started later than asked to respect the caps")
+    lines.append(f"{'op':>4}  {'node':<28} {'live bytes':>14} {'est ms':>8}  in flight")
+    for row in table["ops"]:
+        flight = "; ".join(f"{step}: {', '.join(names)}" for step, names in row["in_flight"].items() if names)
+        lines.append(f"{row['op']:>4}  {row['node']:<28} {row['live_bytes']:>14,} "
+                     f"{row['estimated_compute_seconds'] * 1000:>8.3f}  {flight or '-'}")
+    return lines
+
+
+def table(ctx: GraphContext) -> dict | None:
+    """The schedule table, for ``<kind>.schedule.json`` in the dump folder."""
+    return ctx.facts.get("schedule")

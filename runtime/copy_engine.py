@@ -1,0 +1,102 @@
+"""Asynchronous copies for the fetch pipeline: a worker thread on CPU, a side stream on CUDA.
+
+``COPIER.copy(target, source, track, name)`` starts ``target.copy_(source)``
+and returns a :class:`CopyWork`.  Both tensors must stay untouched (and alive:
+the caller holds them) until the work is waited on.
+
+* CPU: one worker thread runs the copies in submission order (PyTorch
+  releases the GIL inside ``copy_``), so a copy issued ahead of its use
+  overlaps the main thread's compute.
+* CUDA: the copy runs on one side stream per device, after that stream has
+  waited for the current stream (``target`` was allocated there, so its
+  memory is free to write only from that point).  ``wait()`` makes the
+  current stream wait for the copy's event, so no host block and no
+  ``record_stream``: the store keeps ``target`` and ``source`` referenced
+  until ``wait()``/``synchronize()``, and the compute stream frees ``target``
+  only after its own later use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import torch
+
+from .trace import TRACER, now
+
+
+class CopyWork:
+    """A copy in flight: ``wait()`` orders later compute after it; ``synchronize()`` blocks the host."""
+
+    def __init__(self, future: concurrent.futures.Future | None = None, event=None, tensors: tuple = ()):
+        self._future = future
+        self._event = event
+        # CUDA: both tensors stay referenced until the current stream is ordered after the copy,
+        # so the caching allocator cannot hand their memory out while the side stream uses it.
+        self._tensors = tensors
+
+    def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._tensors = ()
+            return
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        if self._event is not None:
+            if not self._event.query():
+                with TRACER.stall("wait copy"):
+                    self._event.synchronize()
+            return
+        if self._future is not None:
+            if not self._future.done():
+                with TRACER.stall("wait copy"):
+                    self._future.result()
+            else:
+                self._future.result()  # re-raises a failed copy
+
+    def done(self) -> bool:
+        if self._event is not None:
+            return bool(self._event.query())
+        return self._future is None or self._future.done()
+
+
+class CopyEngine:
+    def __init__(self) -> None:
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-copy")
+            return self._executor
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor, track: str, name: str) -> CopyWork:
+        nbytes = target.numel() * target.element_size()
+        submitted = now()
+        if target.is_cuda or source.is_cuda:
+            device = target.device if target.is_cuda else source.device
+            stream = self._streams.get(device.index)
+            if stream is None:
+                stream = self._streams[device.index] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                target.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            # Host-side interval (submission to now): a GPU timeline is in the profiler, not here.
+            TRACER.interval(track, name, submitted, now(), nbytes)
+            return CopyWork(event=event, tensors=(target, source))
+
+        def run() -> None:
+            started = now()
+            target.copy_(source)
+            TRACER.interval(track, name, started, now(), nbytes)
+
+        return CopyWork(future=self._worker().submit(run))
+
+
+COPIER = CopyEngine()

@@ -1,0 +1,41 @@
+"""One rank of the tiling end-to-end test (launched by tests/multirank.py from test_tile_e2e.py).
+
+Trains the GPT of ``zero_worker`` (eager reference on rank 0) under each
+configuration and adds to each result the tile layout the store adopted for
+every parameter of that model.
+"""
+
+import json
+import os
+
+import torch.distributed as dist
+
+from zero_worker import train
+from zinf_compiler.gpt import GPTConfig
+from zinf_compiler.runtime.store import STORE
+
+
+def main() -> None:
+    args = json.loads(os.environ["ZINFTEST_ARGS"])
+    world = int(os.environ["WORLD_SIZE"])
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = GPTConfig(**args["model"], frozen_scale=True)
+    results = []
+    for config in args["configs"]:
+        adopted_before = {record.uid for record in STORE.records()}
+        STORE.reset_peak()  # this configuration's peak, not the previous one's
+        result = train(config, cfg, world, rank, args["steps"], args["batch"])
+        result["tile_rows"] = {record.name: record.tile_rows for record in STORE.records()
+                               if record.uid not in adopted_before}
+        result["peak_transient_device"] = STORE.peak_transient["device"]
+        results.append(result)
+    with open(os.environ["ZINFTEST_OUT"], "w") as handle:
+        json.dump(results, handle)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
