@@ -98,6 +98,7 @@ class _Reduce:
     start: torch.fx.Node
     wait: torch.fx.Node
     staging_bytes: int
+    grad_bytes: int = 0  # the graph's gradient, counted while the start runs
     delay: int = 0  # ops the wait is pushed past (0: right after the start)
     wanted: int = 0
 
@@ -214,12 +215,16 @@ def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce
         numel = int(value.numel()) if isinstance(value, torch.Tensor) else 0
         itemsize = DTYPES[ctx.options.param_dtype].itemsize
         world = max(ctx.captured.world_size, 1)
-        if ctx.options.partition == "allgather":
+        if world == 1 and ctx.options.partition == "allgather" and ctx.options.param_dtype != "fp16":
+            staging = 0 if tile >= 0 else numel * 4  # nothing to reduce: one fp32 copy (a tile: none)
+        elif ctx.options.partition == "allgather":
             staging = (-(-numel // world) * world + -(-numel // world)) * itemsize
         else:
             staging = numel * itemsize
+        grad_bytes = numel * value.element_size() if isinstance(value, torch.Tensor) else 0
         reduces.append(_Reduce(name=uid_names.get(uid, str(uid)) + (f"[tile {tile}]" if tile >= 0 else ""),
-                               uid=uid, tile=tile, start=node, wait=wait, staging_bytes=staging))
+                               uid=uid, tile=tile, start=node, wait=wait, staging_bytes=staging,
+                               grad_bytes=grad_bytes))
     return reduces
 
 
@@ -337,7 +342,8 @@ class _Planner:
             if fetch.release is not None:
                 deltas.setdefault(fetch.release, []).append(("device", -fetch.gathered_bytes))
         for reduce in self.reduces:
-            deltas.setdefault(reduce.start, []).append(("device", reduce.staging_bytes))
+            deltas.setdefault(reduce.start, []).extend(
+                [("device", reduce.grad_bytes), ("device", reduce.staging_bytes), ("device", -reduce.grad_bytes)])
             deltas.setdefault(reduce.wait, []).append(("device", -reduce.staging_bytes))
         live = {"device": 0, "pinned": 0}
         after = {}

@@ -632,6 +632,11 @@ class ParamStore:
         if flat_grad.numel() != record.tile_numel(tile):
             raise ZinfStoreError(f"reduce_grad_start of {record.name} tile {tile}: gradient of {flat_grad.numel()} "
                                  f"elements, the tile has {record.tile_numel(tile)}")
+        if record.world_size == 1 and record.partition == "allgather" and record.compute_dtype != torch.float16:
+            # World size 1: nothing to average; add the tile into the gradient shard now.
+            self._tile_accumulate(record, tile, flat_grad)
+            queue.append((_DONE, None, 0))
+            return
         if record.compute_dtype == torch.float16:
             flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
         if record.partition == "allgather":
@@ -661,6 +666,8 @@ class ParamStore:
         work, out, staged_bytes = queue.pop(0)
         work.wait()
         self._add_transient("device", -staged_bytes)
+        if out is None:
+            return  # added at the start (world size 1)
         if record.partition == "broadcast":
             if record.rank != record.owner:
                 return
@@ -668,6 +675,10 @@ class ParamStore:
         if record.compute_dtype == torch.float16:
             out = out.to(torch.float32) / self.fp16_scaler.scale
             self.fp16_scaler.check(out)
+        self._tile_accumulate(record, tile, out)
+
+    def _tile_accumulate(self, record: ParamRecord, tile: int, out: torch.Tensor) -> None:
+        """Add this rank's reduced slice of one gradient tile into the gradient shard (or its swap files)."""
         start, stop = record.tile_local_range(tile)
         if record.opt_tier == "nvme":
             pending = record._tile_queues.get("grad_pending")
@@ -697,8 +708,17 @@ class ParamStore:
         ``tile``: ``grad`` is the gradient of that row tile only.
         """
         record = self._records[uid]
-        if tile is not None:
-            return self._tile_reduce_start(record, grad, tile)
+        # The gradient the graph hands over is device memory too, until this op returns.
+        self._add_transient("device", _nbytes(grad), what=f"reduce_grad_start of {record.name}")
+        try:
+            if tile is not None:
+                self._tile_reduce_start(record, grad, tile)
+            else:
+                self._reduce_start(record, grad)
+        finally:
+            self._add_transient("device", -_nbytes(grad))
+
+    def _reduce_start(self, record: ParamRecord, grad: torch.Tensor) -> None:
         flat_grad = grad.detach().reshape(-1)
         if (record.world_size == 1 and record.partition == "allgather" and record.tile_rows is None
                 and record.compute_dtype != torch.float16 and record.numel == record.shard_numel):

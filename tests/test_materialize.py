@@ -18,10 +18,16 @@ def small_sub_groups():
     nvme_adam.sub_groups.__defaults__ = saved
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpu-tiled"])
 def test_materialized_model_trains_like_eager(tier, tmp_path, small_sub_groups):
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, frozen_scale=True)
+    tiled = tier == "cpu-tiled"
+    tier = tier.removesuffix("-tiled")
     options = {"stage": 3, "offload_param": tier, "offload_optimizer": tier, "lower": "eager"}
+    if tiled:
+        # Weights over 16 KiB in 3 row tiles, laid out at materialize time: qkv, the MLP's,
+        # and the tied embedding / head (32 KiB), which the embedding gathers whole.
+        options.update(tile_threshold=16 * 1024, tile_factor=3)
     if tier == "nvme":
         options.update(nvme_path=str(tmp_path), nvme_copies=1)
     # Eager reference: the same per-module initializer, from the same seed.
@@ -59,6 +65,12 @@ def test_materialized_model_trains_like_eager(tier, tmp_path, small_sub_groups):
     final = zinf.full_state_dict(model)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=1e-5, msg=name)
+    if tiled:
+        from zinf_compiler.runtime.store import STORE
+
+        tiled_names = {name for name, p in model.named_parameters() if STORE.lookup(p).tile_rows}
+        assert tiled_names == {"wte.weight"} | {f"blocks.{i}.{w}.weight" for i in (0, 1)
+                                                for w in ("attn.qkv", "mlp.fc", "mlp.proj")}, tiled_names
     report = zinf.memory_report(model)
     if tier == "nvme":
         # fp32 master and two moments of every trainable parameter; none for the frozen one.

@@ -38,7 +38,7 @@ from .backend import TIERS, plan_offload
 from .options import parse_options
 from .runtime.aio import human_bytes
 from .runtime.host_memory import trim
-from .runtime.store import STORE
+from .runtime.store import DTYPES, STORE
 
 log = logging.getLogger("zinf")
 
@@ -103,7 +103,7 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
         for name, real in ready:
             uid = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
                               param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
-                              opt_tier=TIERS[parsed.offload_optimizer])
+                              opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed))
             STORE.release_full_storage([uid])
             done += real.numel()
         if ready:
@@ -122,3 +122,21 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
 
 def _named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())  # tied parameters once, under their first name
+
+
+def _tile_plan(name: str, param: torch.Tensor, options) -> tuple[int, ...] | None:
+    """Rows per tile for a weight the tile pass will split (the layout is fixed at adoption).
+
+    Without the graph, every 2-D parameter over ``tile_threshold`` is laid out
+    in tiles; one the graph does not multiply (an embedding) is then gathered
+    whole from that layout, which costs nothing but the planning.
+    """
+    from zinf_compiler.passes import tile
+
+    nbytes = param.numel() * DTYPES[options.param_dtype].itemsize
+    if param.dim() != 2 or nbytes <= options.tile_threshold or tile.NAME in options.disable_passes:
+        return None
+    rows, row_bytes = param.shape[0], param.shape[1] * DTYPES[options.param_dtype].itemsize
+    factor = tile.choose_factor(name, rows, row_bytes, options, STORE.comm.world_size,
+                                options.device_memory_limit, 0)
+    return tile.split_rows(rows, factor) if factor > 1 else None

@@ -1,0 +1,80 @@
+"""Working memory of one oversized MLP, untiled or tiled; run as a subprocess by test_tile_memory.py.
+
+After a warm-up step (optimizer state and gradient shards exist), one
+forward and backward run with every change of the runtime's accounting
+sampled together with the resident set (/proc/self/statm), right where the
+runtime books it.  Prints one JSON object: the peak gathered and in-flight
+device bytes (``peak_transient_device``), the growth of the accounted bytes
+and of the resident set over the baseline, and the tile layout.
+
+The parent sets MALLOC_MMAP_THRESHOLD_ so that every tensor of 64 KiB or
+more is its own mapping: freed tensors leave the resident set at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn as nn
+
+import zinf_compiler as zinf
+from zinf_compiler.runtime.host_memory import trim
+from zinf_compiler.runtime.store import STORE
+from accounting_worker import rss
+
+
+def accounted() -> int:
+    return sum(STORE.resting.values()) + sum(STORE.transient.values())
+
+
+def main() -> None:
+    hidden, factor = int(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    weight_bytes = 4 * hidden * hidden * 4
+    options = {"stage": 3, "lower": "eager", "offload_param": "cpu", "tile_factor": factor,
+               "tile_threshold": weight_bytes - 1 if factor > 1 else 2 * weight_bytes}
+    compiled = torch.compile(model, backend="zinf", options=options)
+    opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, hidden)
+
+    def train_step() -> None:
+        compiled(x).square().mean().backward()
+
+    train_step()
+    opt.step()
+    # No zero_grad: the measured backward accumulates into the gradient shards
+    # that exist already, so what grows is the working memory alone.
+    trim()
+    STORE.reset_peak()
+    baseline_rss, baseline_accounted = rss(), accounted()
+    samples = []
+    book_transient, book_resting = STORE._add_transient, STORE._add_resting
+
+    def sampled(book):
+        def wrapper(*args, **kwargs):
+            result = book(*args, **kwargs)
+            samples.append((accounted(), rss()))
+            return result
+
+        return wrapper
+
+    STORE._add_transient, STORE._add_resting = sampled(book_transient), sampled(book_resting)
+    try:
+        train_step()
+    finally:
+        STORE._add_transient, STORE._add_resting = book_transient, book_resting
+    print(json.dumps({
+        "peak_transient_device": STORE.peak_transient["device"],
+        "accounted_growth": max(a for a, _ in samples) - baseline_accounted,
+        "rss_growth": max(r for _, r in samples) - baseline_rss,
+        "weight_bytes": weight_bytes,
+        "tile_rows": {name: STORE.lookup(p).tile_rows for name, p in model.named_parameters()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
