@@ -137,6 +137,47 @@ def largest(args, tiled: bool) -> tuple[int, list[dict]]:
     return good, trials
 
 
+def describe(result: dict | None) -> str:
+    """One table cell: the outcome of a trial, its accounted peak, RSS, tiles and time."""
+    if result is None:
+        return "-"
+    if not result["ok"]:
+        error = result.get("error", "over budget").removeprefix("device_memory_limit exceeded: ")
+        return f"fails: {error.split(' (')[0]}"
+    cell = f"trains (loss {result['loss']:.3g}, peak {result['peak_device_bytes'] / 2**20:.1f} MiB"
+    tiles = sorted(set(result.get("tiles", {}).values()))
+    if tiles:
+        cell += f", tiles {tiles[0]}" + (f"-{tiles[-1]}" if tiles[-1] != tiles[0] else "")
+    else:
+        cell += ", no tiles"
+    return cell + f", RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB, {result['seconds']:.0f} s)"
+
+
+def print_table(untiled_trials: list[dict], tiled_trials: list[dict]) -> None:
+    """Markdown table of every trial, one row per hidden size."""
+    by_hidden = {}
+    for column, trials in enumerate((untiled_trials, tiled_trials)):
+        for result in trials:
+            by_hidden.setdefault(result["hidden"], [None, None])[column] = result
+    print("\n| hidden | params | untiled | tiled (tile_factor=auto) |\n|---|---|---|---|")
+    for hidden in sorted(by_hidden):
+        row = by_hidden[hidden]
+        params = next((result["params"] for result in row if result and "params" in result), 12 * hidden**2)
+        print(f"| {hidden} | {params / 1e6:.1f}M | {describe(row[0])} | {describe(row[1])} |")
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def parse_bytes(text: str) -> int:
     from zinf_compiler.options import parse_bytes as parse
 
@@ -148,7 +189,8 @@ def main() -> int:
     parser.add_argument("--device-memory-limit", type=parse_bytes, default=16 << 20)
     parser.add_argument("--start", type=int, default=256)
     parser.add_argument("--max-hidden", type=int, default=8192,
-                        help="search cap (8192: 805M parameters, 3 GiB of shards in RAM, 13 GiB of optimizer state on disk)")
+                        help="search cap (8192: 805M parameters, 11 GiB peak RSS, 13 GiB of optimizer state on disk; "
+                             "16384 would need about 50 GiB of RAM)")
     parser.add_argument("--nvme-path", default=str(REPO / ".zinf_swap"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -162,13 +204,21 @@ def main() -> int:
     if free < needed:
         raise SystemExit(f"{args.nvme_path} has {free / 2**30:.1f} GiB free; --max-hidden {args.max_hidden} needs "
                          f"{needed / 2**30:.1f} GiB of optimizer state: lower --max-hidden or use another --nvme-path")
+    # Host RAM holds the block as built (fp32), its parameter shards and gradients and the
+    # swap staging buffers: the 8192 trial peaked at 14.8 bytes per parameter (11.1 GiB).
+    ram_needed = 12 * args.max_hidden**2 * 16
+    ram_free = available_ram()
+    if ram_free is not None and ram_free < ram_needed:
+        raise SystemExit(f"{ram_free / 2**30:.1f} GiB of RAM available; --max-hidden {args.max_hidden} needs about "
+                         f"{ram_needed / 2**30:.1f} GiB (16 bytes per parameter): lower --max-hidden")
     print("command: python " + " ".join(sys.argv))
     print(f"device_memory_limit {args.device_memory_limit / 2**20:.1f} MiB; one block, input [1, 8, h]")
     started = time.perf_counter()
     print("without tiling:")
-    untiled, _ = largest(args, tiled=False)
+    untiled, untiled_trials = largest(args, tiled=False)
     print("with tile_factor=auto:")
-    tiled, _ = largest(args, tiled=True)
+    tiled, tiled_trials = largest(args, tiled=True)
+    print_table(untiled_trials, tiled_trials)
     capped = " (the search cap)" if tiled >= args.max_hidden else ""
     print(f"\nlargest hidden size under {args.device_memory_limit / 2**20:.0f} MiB: untiled {untiled}, "
           f"tiled {tiled}{capped}; ratio {tiled / max(untiled, 1):.1f}x (paper: 8K -> 64K, 8x)")

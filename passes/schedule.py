@@ -165,10 +165,11 @@ def _param_sizes(ctx: GraphContext, param_node: torch.fx.Node, tile: int) -> tup
         part = numel
     if ctx.options.partition == "allgather":
         shard, gathered = -(-part // world), -(-part // world) * world
-        full_shard = -(-numel // world) + (len(rows) if rows else 0)
+        # An nvme tile is its own swap key (read alone); a whole read takes every tile's padded slice.
+        read = shard if rows is not None and tile >= 0 else -(-numel // world) + (len(rows) * ALIGNMENT if rows else 0)
     else:
-        shard, gathered, full_shard = part, part, numel
-    pinned = -(-full_shard * itemsize // ALIGNMENT) * ALIGNMENT
+        shard, gathered, read = part, part, numel
+    pinned = -(-read * itemsize // ALIGNMENT) * ALIGNMENT
     return shard * itemsize, gathered * itemsize, pinned
 
 

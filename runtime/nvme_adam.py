@@ -132,8 +132,11 @@ class NvmeAdam:
         staged[group.start : group.stop].copy_(master)
         if group.stop == record.local_numel:
             buffer = param_staging.pop(record.uid)
-            record.swap.write(record.param_key, buffer, record.shard_bytes).wait()
-            buffer.release()
+            try:
+                for request in self.store._write_param(record, buffer):
+                    request.wait()
+            finally:
+                buffer.release()
 
     def state_bytes_on_disk(self, records) -> int:
         """Bytes of the two moments these records keep in swap files (they appear at the first step).

@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from .aio import AioEngine
+from .aio import ALIGNMENT, AioEngine
 from .comm import COMM, Comm
 from .copy_engine import COPIER
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
@@ -89,6 +89,9 @@ class ParamRecord:
     # flattened, padded and split evenly over ranks, and this rank's shard is
     # its slices of every tile in tile order (see :meth:`tile_local_range`).
     tile_rows: tuple[int, ...] | None = None
+    # Elements each tile's local slice is padded to (nvme tier: 4096 bytes, so
+    # every tile is its own O_DIRECT swap key and a tile fetch reads only it).
+    tile_align: int = 1
     # In-flight per-tile transfers: (step, tile) -> list, step in nc/cg/staged/gather/reduce.
     _tile_queues: dict = dataclasses.field(default_factory=dict)
 
@@ -108,7 +111,7 @@ class ParamRecord:
     def shard_numel(self) -> int:
         """Elements per rank's slice (allgather mode), padding included."""
         if self.tile_rows is not None:
-            return sum(self.tile_shard_numel(tile) for tile in range(len(self.tile_rows)))
+            return sum(self.tile_slot_numel(tile) for tile in range(len(self.tile_rows)))
         return -(-self.numel // self.world_size)
 
     # --- tiles (see ``tile_rows``) ---
@@ -130,6 +133,10 @@ class ParamRecord:
             return -(-self.tile_numel(tile) // self.world_size)
         return self.tile_numel(tile)
 
+    def tile_slot_numel(self, tile: int) -> int:
+        """Elements ``tile`` takes in the local shard: its slice, padded to ``tile_align``."""
+        return -(-self.tile_shard_numel(tile) // self.tile_align) * self.tile_align
+
     def tile_gathered_numel(self, tile: int) -> int:
         return self.tile_shard_numel(tile) * self.world_size if self.partition == "allgather" else self.tile_numel(tile)
 
@@ -137,7 +144,7 @@ class ParamRecord:
         """Where this rank's slice of ``tile`` sits in its flat shard (empty for a non-owner in broadcast mode)."""
         if self.partition == "broadcast" and self.rank != self.owner:
             return 0, 0
-        start = sum(self.tile_shard_numel(t) for t in range(tile))
+        start = sum(self.tile_slot_numel(t) for t in range(tile))
         return start, start + self.tile_shard_numel(tile)
 
     @property
@@ -165,6 +172,16 @@ class ParamRecord:
     @property
     def param_key(self) -> str:
         return f"param.{self.uid}"
+
+    def swap_layout(self) -> list[tuple[str, int, int]]:
+        """(swap key, first element, elements) of the nvme-tier shard: one key, or one per tile."""
+        if self.tile_rows is None or self.tile_align == 1:
+            return [(self.param_key, 0, self.local_numel)]
+        layout = []
+        for tile in range(len(self.tile_rows)):
+            start, _ = self.tile_local_range(tile)
+            layout.append((f"{self.param_key}.t{tile}", start, self.tile_slot_numel(tile)))
+        return layout
 
 
 class ParamStore:
@@ -243,6 +260,22 @@ class ParamStore:
             self._add_resting("cpu", self.pinned.capacity_bytes)
         return self.pinned
 
+    def _read_param(self, record: ParamRecord, staging, layout) -> list:
+        """Start reading ``layout``'s keys (see ParamRecord.swap_layout) into ``staging`` at their offsets."""
+        view = staging.memoryview()
+        itemsize = record.compute_dtype.itemsize
+        base = layout[0][1]
+        return [record.swap.read(key, _padded_view(view, (start - base) * itemsize, numel * itemsize),
+                                 numel * itemsize)
+                for key, start, numel in layout]
+
+    def _write_param(self, record: ParamRecord, staging) -> list:
+        """Start writing a whole shard staged in ``staging`` to its swap keys."""
+        view = staging.memoryview()
+        itemsize = record.compute_dtype.itemsize
+        return [record.swap.write(key, _padded_view(view, start * itemsize, numel * itemsize), numel * itemsize)
+                for key, start, numel in record.swap_layout()]
+
     def prefetch_pinned_bytes(self) -> int | None:
         """Pinned bytes the graph's nc reads may hold at once (None: no pool, nothing read from NVMe).
 
@@ -319,6 +352,8 @@ class ParamStore:
             world_size, rank = self.comm.world_size, self.comm.rank
             compute_dtype = DTYPES[param_dtype]
             tile_rows = _tile_rows(tile_rows, param)
+            tile_align = (4096 // compute_dtype.itemsize
+                          if tile_rows is not None and param_tier == "nvme" and partition == "allgather" else 1)
             full = param.detach()
             if world_size > 1:
                 # Like DDP: every rank starts from rank 0's values.
@@ -330,7 +365,7 @@ class ParamStore:
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + flat.numel()
                 local = flat.to(torch.float32, copy=True) if rank == owner else flat.new_empty(0, dtype=torch.float32)
             elif tile_rows is not None:
-                local = _tile_major_slice(flat, tile_rows, world_size, rank)
+                local = _tile_major_slice(flat, tile_rows, world_size, rank, tile_align)
             else:
                 shard_numel = -(-flat.numel() // world_size)
                 local = torch.zeros(shard_numel, dtype=torch.float32, device=flat.device)
@@ -342,7 +377,8 @@ class ParamStore:
             record = ParamRecord(uid=uid, name=name, param=param, stage=stage, partition=partition,
                                  compute_dtype=compute_dtype, world_size=world_size, rank=rank, owner=owner,
                                  local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
-                                 shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows)
+                                 shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows,
+                                 tile_align=tile_align)
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
@@ -356,7 +392,8 @@ class ParamStore:
         """Put this rank's slice, in compute dtype, on the parameter tier."""
         if record.param_tier == "nvme":
             if record.owns_state:
-                self._write_swap(record.swap, record.param_key, local_fp32.to(record.compute_dtype))
+                for key, start, numel in record.swap_layout():
+                    self._write_swap(record.swap, key, local_fp32[start : start + numel].to(record.compute_dtype))
             return
         device = record.device if record.param_tier == "device" else torch.device("cpu")
         shard = local_fp32.to(device=device, dtype=record.compute_dtype, copy=True)
@@ -410,8 +447,8 @@ class ParamStore:
         if tile is not None:
             return self._tile_nc_start(record, tile)
         staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
-        request = record.swap.read(record.param_key, staging, record.shard_bytes) if record.owns_state else None
-        record._reads.append((request, staging))
+        requests = self._read_param(record, staging, record.swap_layout()) if record.owns_state else []
+        record._reads.append((requests, staging))
 
     def nc_wait(self, uid: int, tile: int | None = None) -> None:
         record = self._records[uid]
@@ -419,8 +456,8 @@ class ParamStore:
             return self._tile_nc_wait(record, tile)
         if not record._reads:
             raise ZinfStoreError(f"nc_wait for {record.name} without an nc_start")
-        request, _ = record._reads[0]
-        if request is not None:
+        requests, _ = record._reads[0]
+        for request in requests:
             request.wait()
 
     def cg_start(self, uid: int, tile: int | None = None) -> None:
@@ -539,19 +576,26 @@ class ParamStore:
         return f"{step} of {record.name} tile {tile}/{len(record.tile_rows)}"
 
     def _tile_nc_start(self, record: ParamRecord, tile: int) -> None:
-        # The shard is one swap file: a tile's fetch reads all of it into pinned
-        # CPU memory and copies only the tile's slice to the device (cg).
         queue = self._tile_queue(record, "nc", tile)
-        staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
-        request = record.swap.read(record.param_key, staging, record.shard_bytes) if record.owns_state else None
-        queue.append((request, staging))
+        if record.tile_align == 1:
+            # One swap key (broadcast partition): read the whole shard, cg copies the tile's slice.
+            staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
+            queue.append((self._read_param(record, staging, record.swap_layout()) if record.owns_state else [],
+                          staging))
+            return
+        # Each tile is its own swap key (see ParamRecord.tile_align): read just it.
+        key, _, numel = record.swap_layout()[tile]
+        nbytes = numel * record.compute_dtype.itemsize
+        staging = self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS)
+        requests = self._read_param(record, staging, [(key, 0, numel)]) if record.owns_state else []
+        queue.append((requests, staging))
 
     def _tile_nc_wait(self, record: ParamRecord, tile: int) -> None:
         queue = self._tile_queue(record, "nc", tile)
         if not queue:
             raise ZinfStoreError(f"nc_wait for {record.name} tile {tile} without an nc_start")
-        request, _ = queue[0]
-        if request is not None:
+        requests, _ = queue[0]
+        for request in requests:
             request.wait()
 
     def _tile_cg_start(self, record: ParamRecord, tile: int) -> None:
@@ -562,7 +606,10 @@ class ParamStore:
             if not reads:
                 raise ZinfStoreError(f"cg_start for nvme-tier {record.name} tile {tile} without a finished nc")
             _, staging = reads.pop(0)
-            source = staging.tensor(record.compute_dtype, record.local_numel)[start:stop]
+            if record.tile_align == 1:
+                source = staging.tensor(record.compute_dtype, record.local_numel)[start:stop]
+            else:
+                source = staging.tensor(record.compute_dtype, stop - start)  # the tile's own key, read alone
         else:
             source = record.shard[start:stop]
         self._add_transient("device", (stop - start) * record.compute_dtype.itemsize,
@@ -864,17 +911,17 @@ class ParamStore:
                 staging = self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS)
                 try:
                     staging.tensor(record.compute_dtype, record.local_numel).copy_(master)
-                    request = record.swap.write(record.param_key, staging, nbytes)
+                    requests = self._write_param(record, staging)
                 except BaseException:
                     staging.release()
                     raise
-                self._publish_writes.append((request, staging))
+                self._publish_writes.append((requests, staging))
         elif master is not record.shard:
             record.shard.copy_(master)
 
     def _drain_publish_writes(self, keep_bytes: int) -> None:
         """Wait for the oldest parameter writes until at most ``keep_bytes`` are in flight."""
-        while self._publish_writes and sum(request.nbytes for request, _ in self._publish_writes) > keep_bytes:
+        while self._publish_writes and sum(staging.nbytes for _, staging in self._publish_writes) > keep_bytes:
             _finish_oldest_write(self._publish_writes)
 
     def finish_publish(self) -> None:
@@ -999,10 +1046,11 @@ class Fp16GradScaler:
 
 
 def _finish_oldest_write(writes: list) -> None:
-    """Wait for the oldest (request, pinned staging) of ``writes`` and give its buffer back."""
-    request, staging = writes.pop(0)
+    """Wait for the oldest (request or requests, pinned staging) of ``writes`` and give its buffer back."""
+    requests, staging = writes.pop(0)
     try:
-        request.wait()
+        for request in requests if isinstance(requests, list) else [requests]:
+            request.wait()
     finally:
         staging.release()
 
@@ -1063,15 +1111,24 @@ def _tile_major_into(record: ParamRecord, staging: torch.Tensor, flat: torch.Ten
         begin += numel
 
 
-def _tile_major_slice(flat: torch.Tensor, tile_rows, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's fp32 shard of a tiled parameter: its padded slice of every row tile, in tile order."""
+def _padded_view(view, offset: int, nbytes: int):
+    """``view`` from ``offset`` for ``nbytes`` rounded up to the O_DIRECT alignment (never past its end)."""
+    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    return view[offset : min(len(view), offset + padded)]
+
+
+def _tile_major_slice(flat: torch.Tensor, tile_rows, world_size: int, rank: int, align: int = 1) -> torch.Tensor:
+    """This rank's fp32 shard of a tiled parameter: its padded slice of every row tile, in tile order.
+
+    Each slice takes a multiple of ``align`` elements (see ParamRecord.tile_align).
+    """
     row_numel = flat.numel() // sum(tile_rows)
     pieces, start = [], 0
     for rows in tile_rows:
         tile = flat[start : start + rows * row_numel]
         start += rows * row_numel
         tile_shard_numel = -(-tile.numel() // world_size)
-        piece = torch.zeros(tile_shard_numel, dtype=torch.float32, device=flat.device)
+        piece = torch.zeros(-(-tile_shard_numel // align) * align, dtype=torch.float32, device=flat.device)
         lo, hi = rank * tile_shard_numel, min((rank + 1) * tile_shard_numel, tile.numel())
         if hi > lo:
             piece[: hi - lo].copy_(tile[lo:hi])

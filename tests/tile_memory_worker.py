@@ -5,7 +5,9 @@ forward and backward run with every change of the runtime's accounting
 sampled together with the resident set (/proc/self/statm), right where the
 runtime books it.  Prints one JSON object: the peak gathered and in-flight
 device bytes (``peak_transient_device``), the growth of the accounted bytes
-and of the resident set over the baseline, and the tile layout.
+and of the resident set over the baseline, the bytes read from NVMe (with a
+third argument, the parameters live on NVMe under that folder) and the tile
+layout.
 
 The parent sets MALLOC_MMAP_THRESHOLD_ so that every tensor of 64 KiB or
 more is its own mapping: freed tensors leave the resident set at once.
@@ -31,12 +33,15 @@ def accounted() -> int:
 
 def main() -> None:
     hidden, factor = int(sys.argv[1]), int(sys.argv[2])
+    nvme_path = sys.argv[3] if len(sys.argv) > 3 else None
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
     weight_bytes = 4 * hidden * hidden * 4
     options = {"stage": 3, "lower": "eager", "offload_param": "cpu", "tile_factor": factor,
                "tile_threshold": weight_bytes - 1 if factor > 1 else 2 * weight_bytes}
+    if nvme_path:
+        options.update(offload_param="nvme", nvme_path=nvme_path, nvme_copies=1)
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(16, hidden)
@@ -63,6 +68,7 @@ def main() -> None:
         return wrapper
 
     STORE._add_transient, STORE._add_resting = sampled(book_transient), sampled(book_resting)
+    read_before = sum(engine.bytes_read for engine in STORE._engines.values())
     try:
         train_step()
     finally:
@@ -72,6 +78,7 @@ def main() -> None:
         "accounted_growth": max(a for a, _ in samples) - baseline_accounted,
         "rss_growth": max(r for _, r in samples) - baseline_rss,
         "weight_bytes": weight_bytes,
+        "bytes_read": sum(engine.bytes_read for engine in STORE._engines.values()) - read_before,
         "tile_rows": {name: STORE.lookup(p).tile_rows for name, p in model.named_parameters()},
     }))
 
