@@ -121,7 +121,7 @@ class NvmeAdam:
                 buffer.release()
 
     def _publish_group(self, record, group: _Group, master: torch.Tensor, param_staging: dict) -> None:
-        """Hand the updated slice to the parameter tier (whole shard at once for nvme)."""
+        """Hand the updated slice to the parameter tier (nvme: the whole shard at once, to each of its swap keys)."""
         if record.param_tier != "nvme":
             record.shard[group.start : group.stop].copy_(master)
             return

@@ -441,7 +441,8 @@ class ParamStore:
     def nc_start(self, uid: int, tile: int | None = None) -> None:
         """Start reading the shard of an nvme-tier parameter into a pinned buffer.
 
-        ``tile``: for one tile's fetch (the whole shard is read: it is one swap file).
+        ``tile``: for one tile's fetch (allgather partition: only that tile's swap key
+        is read; broadcast: the whole shard, which is one key).
         """
         record = self._records[uid]
         if tile is not None:
