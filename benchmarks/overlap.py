@@ -35,6 +35,21 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCHEDULES = {"none (0/0/0)": (0, 0, 0), "default (3/2/1)": (3, 2, 1), "tuned (6/3/1)": (6, 3, 1)}
+NAMES = {(0, 0, 0): "none", (3, 2, 1): "default"}
+
+
+def parse_schedules(text: str) -> dict[str, tuple[int, int, int]]:
+    """``"0/0/0,3/2/1,10/5/1"`` -> named prefetch distances (nc/cg/gg); the first is the baseline."""
+    schedules = {}
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        if len(parts) != 3 or not all(part.isdigit() for part in parts):
+            raise argparse.ArgumentTypeError(f"--schedules item {item!r}: expected nc/cg/gg, e.g. 3/2/1")
+        prefetch = tuple(int(part) for part in parts)
+        schedules[f"{NAMES.get(prefetch, 'tuned')} ({item.strip()})"] = prefetch
+    if len(schedules) < 2:
+        raise argparse.ArgumentTypeError("--schedules needs at least two schedules (the first is the baseline)")
+    return schedules
 
 
 def run_one(args, prefetch: tuple[int, int, int], folder: str) -> dict:
@@ -98,6 +113,9 @@ def main() -> int:
                         help="per run: the first compiles, the middle ones are timed, the last one is traced")
     parser.add_argument("--aio-threads", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schedules", type=parse_schedules, default=SCHEDULES,
+                        help="comma-separated nc/cg/gg prefetch distances, the first the baseline "
+                             "(default 0/0/0,3/2/1,6/3/1)")
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     parser.add_argument("--lower", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--nvme-path", default=str(REPO / ".zinf_swap"))
@@ -111,11 +129,12 @@ def main() -> int:
     os.makedirs(args.nvme_path, exist_ok=True)
     print("command: python " + " ".join(sys.argv))
     print(f"{os.cpu_count()} cpus, compute threads {args.threads}, load average {os.getloadavg()[0]:.2f}")
-    results = {name: [] for name in SCHEDULES}
+    schedules = args.schedules
+    results = {name: [] for name in schedules}
     work = tempfile.mkdtemp(prefix="zinf-overlap-")
     try:
         for round_index in range(args.rounds):
-            for name, prefetch in SCHEDULES.items():
+            for name, prefetch in schedules.items():
                 folder = os.path.join(work, f"{round_index}-{prefetch[0]}{prefetch[1]}{prefetch[2]}")
                 result = run_one(args, prefetch, folder)
                 results[name].append(result)
@@ -127,7 +146,7 @@ def main() -> int:
                         os.path.join(folder, "memory.png")):
                     os.makedirs(os.path.dirname(args.figure), exist_ok=True)
                     shutil.copy(os.path.join(folder, "memory.png"), args.figure)
-        first = results[next(iter(SCHEDULES))][0]
+        first = results[next(iter(schedules))][0]
         print(f"model: {first['params'] / 1e6:.1f}M params ({first['params'] * 4 / 2**20:.0f} MiB fp32 on NVMe), "
               f"batch {args.batch_size}x{args.block_size}")
         report(results)
