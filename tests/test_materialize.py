@@ -18,7 +18,7 @@ def small_sub_groups():
     nvme_adam.sub_groups.__defaults__ = saved
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpu-tiled"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpu-tiled", "nvme-tiled"])
 def test_materialized_model_trains_like_eager(tier, tmp_path, small_sub_groups):
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, frozen_scale=True)
     tiled = tier == "cpu-tiled"
@@ -72,6 +72,10 @@ def test_materialized_model_trains_like_eager(tier, tmp_path, small_sub_groups):
         assert tiled_names == {"wte.weight"} | {f"blocks.{i}.{w}.weight" for i in (0, 1)
                                                 for w in ("attn.qkv", "mlp.fc", "mlp.proj")}, tiled_names
     report = zinf.memory_report(model)
+    if tiled and tier == "nvme":
+        # Each tile of an nvme-tier parameter is its own swap key.
+        record = STORE.lookup(model.blocks[0].mlp.fc.weight)
+        assert [key for key, _, _ in record.swap_layout()] == [f"param.{record.uid}.t{t}" for t in range(3)]
     if tier == "nvme":
         # fp32 master and two moments of every trainable parameter; none for the frozen one.
         assert report["nvme"]["optimizer"] == 3 * 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
