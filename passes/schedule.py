@@ -50,7 +50,8 @@ more).
 The result is a deterministic function of the graph and options.  Records
 ``ctx.facts["schedule"]``: the table dumped as ``<kind>.schedule.json`` and
 printed in the dump header (op, what is in flight, live bytes, the cost
-model's estimates).
+model's estimates, and per transfer the compute estimated between its start
+and its wait and the part of it left exposed: where to lengthen a distance).
 """
 
 from __future__ import annotations
@@ -429,8 +430,11 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
         current = op_index.get(node, current)
         op_of[node] = current
 
-    def op_at(node: torch.fx.Node) -> int:
-        return op_of[node]
+    # Estimated compute before each node (prefix sums): what a transfer in flight can hide behind.
+    compute_before, total = [], 0.0
+    for node in order:
+        compute_before.append(total)
+        total += cost.node_seconds(node)
 
     transfers = []
     for fetch in planner.fetches:
@@ -450,7 +454,7 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
                 "use_op": fetch.op, "issued_before_op": fetch.op - fetch.distance[step] if fetch.distance[step] else None,
                 "wanted_distance": fetch.wanted[step], "distance": fetch.distance[step],
                 "capped": fetch.distance[step] < fetch.wanted[step], "bytes": nbytes,
-                "estimated_seconds": cost.transfer_seconds(step, nbytes),
+                **_exposure(cost.transfer_seconds(step, nbytes), compute_before, position[start], position[wait]),
             })
     for reduce in planner.reduces:
         transfers.append({
@@ -458,7 +462,9 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
             "start": reduce.start.name, "wait": reduce.wait.name, "start_pos": position[reduce.start],
             "wait_pos": position[reduce.wait], "use_op": None, "issued_before_op": None,
             "wanted_distance": reduce.wanted, "distance": reduce.delay, "capped": reduce.delay < reduce.wanted,
-            "bytes": reduce.staging_bytes, "estimated_seconds": cost.transfer_seconds("rs", reduce.staging_bytes),
+            "bytes": reduce.staging_bytes,
+            **_exposure(cost.transfer_seconds("rs", reduce.staging_bytes), compute_before, position[reduce.start],
+                        position[reduce.wait]),
         })
     # Per op: compute estimate of the nodes from this op to the next, what is in flight when it runs.
     compute = [0.0] * len(op_nodes)
@@ -493,6 +499,13 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
     }
 
 
+def _exposure(seconds: float, compute_before: list[float], start: int, wait: int) -> dict:
+    """A transfer's estimate, the compute estimated between its start and its wait, and what is left over."""
+    covered = compute_before[wait] - compute_before[start]
+    return {"estimated_seconds": seconds, "covering_compute_seconds": covered,
+            "exposed_seconds": max(0.0, seconds - covered)}
+
+
 def _target_name(target: Any) -> str:
     return getattr(target, "__name__", str(target)) if not isinstance(target, torch._ops.OpOverload) else str(target)
 
@@ -514,6 +527,19 @@ def describe(ctx: GraphContext) -> list[str]:
     capped = [t for t in table["transfers"] if t["capped"]]
     if capped:
         lines.append(f"schedule: {len(capped)} transfers started later than asked to respect the caps")
+    exposed = [t for t in table["transfers"] if t["exposed_seconds"] > 0]
+    if exposed:
+        # Where the cost model expects stalls: a larger prefetch distance for that step would hide more.
+        worst = max(exposed, key=lambda t: t["exposed_seconds"])
+        per_step = {}
+        for transfer in exposed:
+            per_step[transfer["step"]] = per_step.get(transfer["step"], 0.0) + transfer["exposed_seconds"]
+        lines.append(
+            "schedule: estimated exposed transfer time "
+            + ", ".join(f"{step} {seconds * 1000:.3f} ms" for step, seconds in per_step.items())
+            + f" ({len(exposed)} of {len(table['transfers'])} transfers); the most exposed: {worst['step']} of "
+            f"{worst['param']} ({worst['estimated_seconds'] * 1000:.3f} ms estimated, "
+            f"{worst['covering_compute_seconds'] * 1000:.3f} ms of compute between its start and wait)")
     lines.append(f"{'op':>4}  {'node':<28} {'live bytes':>14} {'est ms':>8}  in flight")
     for row in table["ops"]:
         flight = "; ".join(f"{step}: {', '.join(names)}" for step, names in row["in_flight"].items() if names)

@@ -181,3 +181,29 @@ def test_inductor_runs_zinf_ops_in_scheduled_order(tmp_path, monkeypatch):
     starts = [call for call in forward_calls if call[0].endswith("_start")]
     assert starts == [call for call in expected if call[0].endswith("_start")]
     assert any(step == "gather_start" for step, _ in starts)
+
+
+def test_table_estimates_what_each_transfer_leaves_exposed(tmp_path):
+    """Per transfer, the cost model's compute between its start and its wait and the
+    exposed rest; prefetch covers transfers that no prefetch leaves fully exposed."""
+    exposed = {}
+    for name, distances in (("none", (0, 0, 0)), ("default", (3, 2, 1))):
+        train(tmp_path / name, offload_param="nvme", prefetch_nc=distances[0], prefetch_cg=distances[1],
+              prefetch_gg=distances[2])
+        exposed[name] = 0.0
+        for table in tables(tmp_path / name).values():
+            for transfer in table["transfers"]:
+                left = transfer["estimated_seconds"] - transfer["covering_compute_seconds"]
+                assert transfer["exposed_seconds"] == pytest.approx(max(0.0, left), abs=1e-12)
+                if transfer["step"] == "rs":
+                    continue
+                exposed[name] += transfer["exposed_seconds"]
+                if name == "none":
+                    # Started right before its wait: nothing to hide behind.
+                    assert transfer["covering_compute_seconds"] == 0.0, transfer
+        if name == "none":
+            header = (tmp_path / name / "dump").rglob("forward.*schedule.py")
+            text = "\n".join(path.read_text() for path in header)
+            assert "estimated exposed transfer time" in text
+    assert exposed["none"] > 0
+    assert exposed["default"] < exposed["none"]
