@@ -27,11 +27,7 @@ gather)::
 
 A distance of 0 leaves that part where it was (no prefetch); ``k - d < 0``
 means the top of the graph.  So before op i runs, nc for op i+nc, cg for op
-i+cg and gg for op i+gg are in flight, the paper's prefetch rule.  At world
-size 1 a gather after a cg step moves no bytes (the staged shard is the
-whole parameter), so it keeps distance 0 (``free`` in the table): the copy's
-wait stays at the use and the copy overlaps ``cg`` ops instead of
-``cg - gg``.
+i+cg and gg for op i+gg are in flight, the paper's prefetch rule.
 
 Backward reductions.  ``reduce_grad_start`` stays right after its gradient;
 its wait moves to just before the second op after it, so the reduce-scatter
@@ -91,7 +87,6 @@ class _Fetch:
     shard_bytes: int = 0  # cg staging on the device (0: the shard rests on the device)
     gathered_bytes: int = 0
     pinned_bytes: int = 0  # nc staging in pinned host memory (0: not on NVMe)
-    free_gather: bool = False  # world size 1 with a cg step: the gather is the staged shard itself
     distance: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (after caps)
     wanted: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (before caps)
 
@@ -133,13 +128,8 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
     if not allowed:
         note = (f"max_live_bytes={device_cap:,} is below what the graph holds without prefetch "
                 f"({baseline_peak:,} bytes): nothing is prefetched")
-    free_gathers = ctx.captured.world_size <= 1 and ctx.options.partition == "allgather"
     for fetch in sorted(fetches, key=lambda f: (f.op, position[f.wait])):
         fetch.wanted = {step: distances[step] if fetch.groups.get(step) else 0 for step in ("nc", "cg", "gg")}
-        if free_gathers and "cg" in fetch.groups:
-            # World size 1: the staged shard is the whole parameter, so the gather moves
-            # nothing; its wait stays at the use and the copy gets the gather's ops too.
-            fetch.free_gather, fetch.wanted["gg"] = True, 0
         planner.place_fetch(fetch, device_cap, pinned_cap, allowed)
     for reduce in sorted(reduces, key=lambda r: position[r.start]):
         reduce.wanted = REDUCE_DELAY
@@ -464,7 +454,6 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
                 "use_op": fetch.op, "issued_before_op": fetch.op - fetch.distance[step] if fetch.distance[step] else None,
                 "wanted_distance": fetch.wanted[step], "distance": fetch.distance[step],
                 "capped": fetch.distance[step] < fetch.wanted[step], "bytes": nbytes,
-                "free": step == "gg" and fetch.free_gather,
                 **_exposure(cost.transfer_seconds(step, nbytes), compute_before, position[start], position[wait]),
             })
     for reduce in planner.reduces:

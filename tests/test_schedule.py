@@ -65,8 +65,7 @@ def check_invariants(table: dict) -> None:
     for transfer in table["transfers"]:
         if transfer["step"] == "rs":
             continue
-        # A gather that moves nothing (world size 1 after a cg step) is not prefetched.
-        wanted = 0 if transfer["free"] else distances[transfer["step"]]
+        wanted = distances[transfer["step"]]
         assert transfer["wanted_distance"] == wanted
         assert transfer["distance"] == wanted or transfer["capped"], transfer
         # Lookahead honoured: in flight while op use_op - distance runs (or from the graph's top).
@@ -100,17 +99,7 @@ def test_schedule_table_invariants_with_default_prefetch(tmp_path, offload):
         # With no cap in play, every fetch got its full distance (the top of the graph excepted).
         assert not any(t["capped"] for t in table["transfers"]), [t for t in table["transfers"] if t["capped"]]
         # Something really is prefetched: in flight while an earlier op runs.
-        assert any(row["in_flight"]["gg"] for row in table["ops"]) or offload
-        assert any(row["in_flight"]["cg"] for row in table["ops"]) or not offload
-        if offload:
-            # World size 1: gathers move nothing, so each copy stays in flight over
-            # prefetch_cg ops (its wait is at the use), not prefetch_cg - prefetch_gg.
-            for transfer in table["transfers"]:
-                if transfer["step"] == "gg":
-                    assert transfer["free"] and transfer["distance"] == 0, transfer
-                if transfer["step"] == "cg" and transfer["distance"] == 2 and transfer["use_op"] >= 2:
-                    op = {row["op"]: row for row in table["ops"]}
-                    assert transfer["param"] in op[transfer["use_op"] - 1]["in_flight"]["cg"], transfer
+        assert any(row["in_flight"]["gg"] for row in table["ops"])
 
 
 def test_max_live_bytes_caps_the_table_and_the_runtime(tmp_path):
@@ -188,12 +177,10 @@ def test_inductor_runs_zinf_ops_in_scheduled_order(tmp_path, monkeypatch):
     forward_calls = [call for call in calls if call[0] != "release"][: len(expected)]
     assert sorted(forward_calls) == sorted(expected)
     # The starts run exactly in the scheduled order.  (A wait may run earlier than
-    # planned where Inductor fuses the ops on both sides of it into one kernel; so may a
-    # free gather's start, which sits with its wait and moves no bytes.)
-    free = {("gather_start", t["uid"]) for t in table["transfers"] if t["free"]}
-    starts = [call for call in forward_calls if call[0].endswith("_start") and call not in free]
-    assert starts == [call for call in expected if call[0].endswith("_start") and call not in free]
-    assert any(step == "cg_start" for step, _ in starts) and free
+    # planned where Inductor fuses the ops on both sides of it into one kernel.)
+    starts = [call for call in forward_calls if call[0].endswith("_start")]
+    assert starts == [call for call in expected if call[0].endswith("_start")]
+    assert any(step == "gather_start" for step, _ in starts)
 
 
 def test_table_estimates_what_each_transfer_leaves_exposed(tmp_path):
