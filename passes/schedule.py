@@ -167,7 +167,9 @@ def _param_sizes(ctx: GraphContext, param_node: torch.fx.Node, tile: int) -> tup
     if ctx.options.partition == "allgather":
         shard, gathered = -(-part // world), -(-part // world) * world
         # An nvme tile is its own swap key (read alone); a whole read takes every tile's padded slice.
-        read = shard if rows is not None and tile >= 0 else -(-numel // world) + (len(rows) * ALIGNMENT if rows else 0)
+        # (Each tile's slot is padded to at most ALIGNMENT bytes more.)
+        padding = len(rows) * -(-ALIGNMENT // itemsize) if rows else 0
+        read = shard if rows is not None and tile >= 0 else -(-numel // world) + padding
     else:
         shard, gathered, read = part, part, numel
     pinned = -(-read * itemsize // ALIGNMENT) * ALIGNMENT
