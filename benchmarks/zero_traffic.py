@@ -145,13 +145,13 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     uid_reduces: collections.Counter = collections.Counter()
     store_gather, store_reduce = STORE.gather_start, STORE.reduce_grad_start
 
-    def counted_gather(uid, *a, **k):
-        uid_gathers[uid] += 1
-        return store_gather(uid, *a, **k)
+    def counted_gather(param_record, *a, **k):
+        uid_gathers[param_record.uid] += 1
+        return store_gather(param_record, *a, **k)
 
-    def counted_reduce(uid, *a, **k):
-        uid_reduces[uid] += 1
-        return store_reduce(uid, *a, **k)
+    def counted_reduce(param_record, *a, **k):
+        uid_reduces[param_record.uid] += 1
+        return store_reduce(param_record, *a, **k)
 
     STORE.gather_start, STORE.reduce_grad_start = counted_gather, counted_reduce
 

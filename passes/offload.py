@@ -13,7 +13,7 @@ schedule pass moves starts earlier.  Gradients need no nodes: the runtime
 copies each reduced gradient shard to the optimizer's tier when its
 reduce-scatter completes (``zinf.reduce_grad_wait``).
 
-Records ``ctx.facts["fetched"]``: {uid: ["nc", "cg"] or ["cg"]}.
+Records ``ctx.facts["fetched"]``: {slot: ["nc", "cg"] or ["cg"]}.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
     if tier != "none":
         graph = gm.graph
         for gather in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GATHER_START]:
-            param_node, uid = gather.args[0], gather.args[1]
+            param_node, slot = gather.args[0], gather.args[1]
             # A tile's gather (the tile pass) fetches only that tile's slice of the shard.
             tile = gather.args[3] if len(gather.args) > 3 else gather.kwargs.get("tile", -1)
             tile_args = (tile,) if tile >= 0 else ()
@@ -42,13 +42,13 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
                 after = param_node
                 steps = []
                 if tier == "nvme":
-                    token = call_op(graph, ops.NC_START, (param_node, uid) + tile_args, name=f"nc_start_{param_node.name}")
-                    after = call_op(graph, ops.NC_WAIT, (token, uid) + tile_args, name=f"nc_wait_{param_node.name}")
+                    token = call_op(graph, ops.NC_START, (param_node, slot) + tile_args, name=f"nc_start_{param_node.name}")
+                    after = call_op(graph, ops.NC_WAIT, (token, slot) + tile_args, name=f"nc_wait_{param_node.name}")
                     steps.append("nc")
-                token = call_op(graph, ops.CG_START, (after, uid) + tile_args, name=f"cg_start_{param_node.name}")
-                after = call_op(graph, ops.CG_WAIT, (token, uid) + tile_args, name=f"cg_wait_{param_node.name}")
+                token = call_op(graph, ops.CG_START, (after, slot) + tile_args, name=f"cg_start_{param_node.name}")
+                after = call_op(graph, ops.CG_WAIT, (token, slot) + tile_args, name=f"cg_wait_{param_node.name}")
                 steps.append("cg")
-            gather.args = (param_node, uid, after) + tuple(gather.args[3:])
-            fetched[uid] = steps
+            gather.args = (param_node, slot, after) + tuple(gather.args[3:])
+            fetched[slot] = steps
     ctx.facts["fetched"] = fetched
     return gm

@@ -13,13 +13,14 @@
   (``zinf.all_reduce_grad``), plain data parallelism.
 
 Tiles (the ``tile`` pass): each weight slice tagged ``meta["zinf_tile"]`` is
-gathered as its own unit (``gather_start(param, uid, None, tile)``, released
+gathered as its own unit (``gather_start(param, slot, None, tile)``, released
 after its last use), and each tile gradient of a ``meta["zinf_tiled_grad"]``
-cat is reduced on its own (``reduce_grad_start(grad_tile, uid, tile)``).
+cat is reduced on its own (``reduce_grad_start(grad_tile, slot, tile)``).
 
-Reads ``ctx.params`` (placeholder -> parameter) and ``ctx.captured.param_uids``;
-records ``ctx.facts["gathered"]`` (uids) and ``ctx.facts["reduced"]`` (uids; Dynamo
-input positions at stage 0, where nothing is adopted).  The
+Ops name a parameter by its *slot*, its position among the Dynamo graph's
+inputs; the runtime binds slots to the parameters of each call.  Reads
+``ctx.params`` (placeholder -> parameter); records ``ctx.facts["gathered"]``
+and ``ctx.facts["reduced"]`` (slots).  The
 schedule pass later moves every start earlier and every wait later.
 """
 
@@ -48,7 +49,7 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
 
 def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
     placeholders = placeholders_by_name(graph)
-    gathered_uids = []
+    gathered_slots = []
     for placeholder_name, info in ctx.params.items():
         param_node = placeholders[placeholder_name]
         # The output keeps the storage-less parameter (saved for backward, which
@@ -56,42 +57,42 @@ def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
         compute_users = [user for user in param_node.users if user.op != "output"]
         weight_tiles = [user for user in compute_users if TILE_META in user.meta]
         if weight_tiles:
-            _gather_tiles(graph, param_node, weight_tiles, ctx.captured.param_uids[info.position])
+            _gather_tiles(graph, param_node, weight_tiles, info.position)
             compute_users = [user for user in compute_users if TILE_META not in user.meta]
-            gathered_uids.append(ctx.captured.param_uids[info.position])
+            gathered_slots.append(info.position)
         if not compute_users:
             continue
-        uid = ctx.captured.param_uids[info.position]
+        slot = info.position
         order = node_order(graph)
         with graph.inserting_before(first_node(compute_users, order)):
-            token = call_op(graph, ops.GATHER_START, (param_node, uid), name=f"gg_start_{placeholder_name}")
-            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, uid), name=f"gathered_{placeholder_name}")
+            token = call_op(graph, ops.GATHER_START, (param_node, slot), name=f"gg_start_{placeholder_name}")
+            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, slot), name=f"gathered_{placeholder_name}")
         for user in compute_users:
             user.replace_input_with(param_node, gathered)
         order = node_order(graph)
         with graph.inserting_after(last_node(gathered.users, order)):
-            call_op(graph, ops.RELEASE, (gathered, uid), name=f"release_{placeholder_name}")
-        if uid not in gathered_uids:
-            gathered_uids.append(uid)
-    return gathered_uids
+            call_op(graph, ops.RELEASE, (gathered, slot), name=f"release_{placeholder_name}")
+        if slot not in gathered_slots:
+            gathered_slots.append(slot)
+    return gathered_slots
 
 
-def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles: list, uid: int) -> None:
+def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles: list, slot: int) -> None:
     """Each tile slice becomes its own gather, alive from that slice's first use to its last."""
     for weight_slice in weight_tiles:
         tile = weight_slice.meta[TILE_META]["tile"]
         start, stop = weight_slice.meta[TILE_META]["rows"]
         with graph.inserting_before(weight_slice):
-            token = call_op(graph, ops.GATHER_START, (param_node, uid, None, tile),
+            token = call_op(graph, ops.GATHER_START, (param_node, slot, None, tile),
                             name=f"gg_start_{param_node.name}_tile{tile}")
-            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, uid, tile, stop - start),
+            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, slot, tile, stop - start),
                                name=f"gathered_{param_node.name}_tile{tile}")
         weight_slice.replace_all_uses_with(gathered)
         graph.erase_node(weight_slice)
         if not gathered.users:  # nothing reads it (cannot happen after the tile pass, but stay valid)
             continue
         with graph.inserting_after(last_node(gathered.users, node_order(graph))):
-            call_op(graph, ops.RELEASE, (gathered, uid, tile), name=f"release_{param_node.name}_tile{tile}")
+            call_op(graph, ops.RELEASE, (gathered, slot, tile), name=f"release_{param_node.name}_tile{tile}")
 
 
 def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
@@ -113,14 +114,14 @@ def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
             continue
         if TILED_GRAD_META in grad.meta and ctx.options.stage > 0:
             # One reduce per tile gradient, right after it; the cat that joined them goes.
-            uid = ctx.captured.param_uids[info.position]
+            slot = info.position
             for tile, grad_tile in enumerate(grad.args[0]):
                 with graph.inserting_after(grad_tile):
-                    token = call_op(graph, ops.REDUCE_GRAD_START, (grad_tile, uid, tile), name=f"rs_start_{uid}_tile{tile}")
+                    token = call_op(graph, ops.REDUCE_GRAD_START, (grad_tile, slot, tile), name=f"rs_start_{slot}_tile{tile}")
                 with graph.inserting_after(token):
-                    call_op(graph, ops.REDUCE_GRAD_WAIT, (token, uid, tile), name=f"rs_wait_{uid}_tile{tile}")
+                    call_op(graph, ops.REDUCE_GRAD_WAIT, (token, slot, tile), name=f"rs_wait_{slot}_tile{tile}")
             grads[index] = None
-            reduced.append(uid)
+            reduced.append(slot)
             output.args = (tuple(grads),) + tuple(output.args[1:])
             if not grad.users:
                 graph.erase_node(grad)
@@ -132,12 +133,12 @@ def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
                 grads[index] = call_op(graph, ops.ALL_REDUCE_GRAD, (grad,), name=f"averaged_grad_{index}")
             reduced.append(info.position)
             continue
-        uid = ctx.captured.param_uids[info.position]
+        slot = info.position
         with where:
-            token = call_op(graph, ops.REDUCE_GRAD_START, (grad, uid), name=f"rs_start_{uid}")
+            token = call_op(graph, ops.REDUCE_GRAD_START, (grad, slot), name=f"rs_start_{slot}")
         with graph.inserting_after(token):
-            call_op(graph, ops.REDUCE_GRAD_WAIT, (token, uid), name=f"rs_wait_{uid}")
+            call_op(graph, ops.REDUCE_GRAD_WAIT, (token, slot), name=f"rs_wait_{slot}")
         grads[index] = None
-        reduced.append(uid)
+        reduced.append(slot)
     output.args = (tuple(grads),) + tuple(output.args[1:])
     return reduced

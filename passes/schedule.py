@@ -78,7 +78,7 @@ class _Fetch:
     """One gather (of a parameter or one tile of it) and the nc/cg steps feeding it."""
 
     name: str
-    uid: int
+    slot: int
     tile: int
     wait: torch.fx.Node  # gather_wait: never moves
     groups: dict  # "nc" / "cg" / "gg" -> nodes moved together, in chain order
@@ -94,7 +94,7 @@ class _Fetch:
 @dataclasses.dataclass(eq=False)
 class _Reduce:
     name: str
-    uid: int
+    slot: int
     tile: int
     start: torch.fx.Node
     wait: torch.fx.Node
@@ -182,7 +182,7 @@ def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]
         if node.op != "call_function" or node.target is not ops.GATHER_WAIT:
             continue
         start = node.args[0]
-        param_node, uid = start.args[0], start.args[1]
+        param_node, slot = start.args[0], start.args[1]
         tile = _tile_arg(start, 3)
         groups = {"gg": [start]}
         after = start.args[2] if len(start.args) > 2 else None
@@ -199,7 +199,7 @@ def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]
         info = ctx.params.get(param_node.name)
         name = info.name if info is not None else param_node.name
         fetches.append(_Fetch(
-            name=name + (f"[tile {tile}]" if tile >= 0 else ""), uid=uid, tile=tile, wait=node, groups=groups,
+            name=name + (f"[tile {tile}]" if tile >= 0 else ""), slot=slot, tile=tile, wait=node, groups=groups,
             release=release, shard_bytes=shard_bytes if "cg" in groups else 0, gathered_bytes=gathered_bytes,
             pinned_bytes=pinned_bytes if "nc" in groups else 0))
     return fetches
@@ -208,12 +208,11 @@ def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]
 def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce]:
     reduces = []
     names = {info.position: info.name for info in ctx.captured.params}
-    uid_names = {uid: names.get(position, str(uid)) for position, uid in ctx.captured.param_uids.items()}
     for node in nodes:
         if node.op != "call_function" or node.target is not ops.REDUCE_GRAD_START:
             continue
         wait = next(user for user in node.users if user.target is ops.REDUCE_GRAD_WAIT)
-        grad, uid = node.args[0], node.args[1]
+        grad, slot = node.args[0], node.args[1]
         tile = _tile_arg(node, 2)
         value = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
         numel = int(value.numel()) if isinstance(value, torch.Tensor) else 0
@@ -226,8 +225,8 @@ def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce
         else:
             staging = numel * itemsize
         grad_bytes = numel * value.element_size() if isinstance(value, torch.Tensor) else 0
-        reduces.append(_Reduce(name=uid_names.get(uid, str(uid)) + (f"[tile {tile}]" if tile >= 0 else ""),
-                               uid=uid, tile=tile, start=node, wait=wait, staging_bytes=staging,
+        reduces.append(_Reduce(name=names.get(slot, str(slot)) + (f"[tile {tile}]" if tile >= 0 else ""),
+                               slot=slot, tile=tile, start=node, wait=wait, staging_bytes=staging,
                                grad_bytes=grad_bytes))
     return reduces
 
@@ -451,7 +450,7 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
                 start, wait = fetch.groups["gg"][-1], fetch.wait
             nbytes = {"nc": fetch.pinned_bytes, "cg": fetch.shard_bytes, "gg": fetch.gathered_bytes}[step]
             transfers.append({
-                "param": fetch.name, "uid": fetch.uid, "tile": fetch.tile, "step": step,
+                "param": fetch.name, "slot": fetch.slot, "tile": fetch.tile, "step": step,
                 "start": start.name, "wait": wait.name, "start_pos": position[start], "wait_pos": position[wait],
                 "use_op": fetch.op, "issued_before_op": fetch.op - fetch.distance[step] if fetch.distance[step] else None,
                 "wanted_distance": fetch.wanted[step], "distance": fetch.distance[step],
@@ -460,7 +459,7 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
             })
     for reduce in planner.reduces:
         transfers.append({
-            "param": reduce.name, "uid": reduce.uid, "tile": reduce.tile, "step": "rs",
+            "param": reduce.name, "slot": reduce.slot, "tile": reduce.tile, "step": "rs",
             "start": reduce.start.name, "wait": reduce.wait.name, "start_pos": position[reduce.start],
             "wait_pos": position[reduce.wait], "use_op": None, "issued_before_op": None,
             "wanted_distance": reduce.wanted, "distance": reduce.delay, "capped": reduce.delay < reduce.wanted,

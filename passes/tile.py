@@ -46,7 +46,7 @@ Rewrite (``run``, on forward, backward and inference ATen graphs)
     valid as it is; the ``partition`` pass then gathers each
     ``meta["zinf_tile"]`` slice as its own unit (``gather_start(..., tile=j)``,
     release after its last use) and reduce-scatters each tile gradient on its
-    own (``reduce_grad_start(grad_j, uid, tile=j)``), dropping the ``cat``.
+    own (``reduce_grad_start(grad_j, slot, tile=j)``), dropping the ``cat``.
     Other uses of a tiled parameter (an embedding tied to it) gather it whole.
 
 Records ``ctx.facts["tiled"]``: one entry per tiled op ({"op", "param",

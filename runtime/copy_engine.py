@@ -91,9 +91,14 @@ class CopyEngine:
             TRACER.interval(track, name, submitted, now(), nbytes)
             return CopyWork(event=event, tensors=(target, source))
 
+        # The worker thread has its own grad and inference modes: copy under the
+        # caller's inference mode, where ``target`` may be an inference tensor.
+        inference = torch.is_inference_mode_enabled()
+
         def run() -> None:
             started = now()
-            target.copy_(source)
+            with torch.inference_mode(inference):
+                target.copy_(source)
             TRACER.interval(track, name, started, now(), nbytes)
 
         return CopyWork(future=self._worker().submit(run))

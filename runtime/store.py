@@ -16,8 +16,11 @@ tensors and ``torch.distributed``; no FX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import queue
 import threading
+import weakref
 import time
 from typing import Iterable
 
@@ -54,7 +57,9 @@ class ParamRecord:
 
     uid: int
     name: str
-    param: torch.nn.Parameter
+    # Weak: the store must not keep a dropped model alive (see ParamStore.adopt).
+    param_ref: "weakref.ref[torch.nn.Parameter]"
+    param_id: int  # id() of the parameter, its key in the store
     stage: int
     partition: str
     compute_dtype: torch.dtype  # dtype of the shard, of gathers and of reduce-scatters
@@ -94,18 +99,27 @@ class ParamRecord:
     tile_align: int = 1
     # In-flight per-tile transfers: (step, tile) -> list, step in nc/cg/staged/gather/reduce.
     _tile_queues: dict = dataclasses.field(default_factory=dict)
+    # Fixed facts of the parameter (readable after it is gone).
+    shape: torch.Size = torch.Size()
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")  # the compute device (where gathered parameters live)
+    full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
 
     @property
-    def shape(self) -> torch.Size:
-        return self.param.shape
+    def param(self) -> torch.nn.Parameter:
+        param = self.param_ref()
+        if param is None:
+            raise ZinfStoreError(f"parameter {self.name} was garbage-collected; its zinf state is gone")
+        return param
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        return self.shape.numel()
 
     @property
     def trainable(self) -> bool:
-        return self.param.requires_grad
+        param = self.param_ref()
+        return param is not None and param.requires_grad
 
     @property
     def shard_numel(self) -> int:
@@ -157,11 +171,6 @@ class ParamRecord:
         return self.local_numel > 0
 
     @property
-    def device(self) -> torch.device:
-        """The compute device (where gathered parameters live)."""
-        return self.param.device
-
-    @property
     def has_grad(self) -> bool:
         return self.grad_shard is not None or self.grad_on_disk
 
@@ -184,13 +193,29 @@ class ParamRecord:
         return layout
 
 
+class _ParamRef(weakref.ref):
+    """A weak reference to an adopted parameter that carries its uid."""
+
+    __slots__ = ("uid",)
+
+    def __new__(cls, param, callback, uid):
+        return super().__new__(cls, param, callback)
+
+    def __init__(self, param, callback, uid):
+        super().__init__(param, callback)
+        self.uid = uid
+
+
 class ParamStore:
     def __init__(self, comm: Comm = COMM):
         self.comm = comm
         self._records: dict[int, ParamRecord] = {}
-        self._uid_by_param: dict[int, int] = {}
+        # id(param) -> a weak reference to it that knows the uid; checked for identity
+        # on lookup, so a new tensor at a dead one's address is never taken for it.
+        self._by_param: dict[int, _ParamRef] = {}
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()  # uids whose parameter was collected
         self._uids = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._owned_bytes_by_rank: dict[int, int] = {}
         self.fp16_scaler = Fp16GradScaler()
         # NVMe swap and the pinned pool: made on first need (see configure_offload).
@@ -322,20 +347,25 @@ class ParamStore:
     # --- adoption -------------------------------------------------------------
 
     def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
-              param_tier: str = "device", opt_tier: str = "device", tile_rows: tuple[int, ...] | None = None) -> int:
-        """Shard ``param`` (once; a tied parameter is the same tensor) and return its uid.
+              param_tier: str = "device", opt_tier: str = "device",
+              tile_rows: tuple[int, ...] | None = None) -> ParamRecord:
+        """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
         the optimizer state, rest: "device", "cpu" or "nvme".  ``tile_rows``:
         rows per tile of a parameter the ``tile`` pass splits (laid out
         tile-major, see :class:`ParamRecord`); a parameter adopted before keeps
-        its first layout (read it back from ``record(uid).tile_rows``).
+        its first layout (read it back from the record's ``tile_rows``).
+
+        The store holds the parameter only weakly: when it is garbage-collected
+        (its model and optimizer dropped), its shards, gradients, swap files and
+        accounted bytes go with it (:meth:`_forget`).
         """
         settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier)
         with self._lock:
-            uid = self._uid_by_param.get(id(param))
-            if uid is not None:
-                record = self._records[uid]
+            record = self.lookup(param)
+            self.collect()
+            if record is not None:
                 adopted = (record.stage, record.partition, record.compute_dtype, record.param_tier, record.opt_tier)
                 if adopted != settings:
                     raise ZinfStoreError(
@@ -343,7 +373,7 @@ class ParamStore:
                         f"tier) = {adopted}, now asked for {settings}; every compiled graph of a model must use the "
                         f"same stage, partition, param_dtype and offload options"
                     )
-                return uid
+                return record
             if not param.is_contiguous() or param.untyped_storage().nbytes() != param.numel() * param.element_size():
                 raise ZinfStoreError(
                     f"parameter {name} shares its storage with other tensors (or is not contiguous); "
@@ -374,19 +404,22 @@ class ParamStore:
                 if stop > start:
                     local[: stop - start].copy_(flat[start:stop])
             uid = next(self._uids)
-            record = ParamRecord(uid=uid, name=name, param=param, stage=stage, partition=partition,
-                                 compute_dtype=compute_dtype, world_size=world_size, rank=rank, owner=owner,
-                                 local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
+            record = ParamRecord(uid=uid, name=name, param_ref=weakref.ref(param), stage=stage,
+                                 partition=partition, compute_dtype=compute_dtype, world_size=world_size, rank=rank,
+                                 owner=owner, local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
                                  shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows,
-                                 tile_align=tile_align)
+                                 tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
+                                 param_id=id(param))
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
-            self._uid_by_param[id(param)] = uid
+            # The callback runs when the parameter is collected; it must not hold the parameter.
+            self._by_param[id(param)] = _ParamRef(param, functools.partial(self._forget_param, uid), uid)
+            record.full_storage_bytes = _nbytes(param)
+            self._add_resting("device", record.full_storage_bytes)  # until release_full_storage (stage 3)
             self._place_shard(record, local)
             self._place_master(record, local)
-            self._add_resting("device", _nbytes(param))  # until release_full_storage (stage 3)
-            return uid
+            return record
 
     def _place_shard(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
         """Put this rank's slice, in compute dtype, on the parameter tier."""
@@ -417,42 +450,89 @@ class ParamStore:
         record.master = local_fp32.to(device=device, copy=True)
         self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.master))
 
-    def release_full_storage(self, uids: Iterable[int]) -> None:
+    def release_full_storage(self, records: Iterable[ParamRecord]) -> None:
         """Stage 3: free the full parameters (once tracing no longer reads them)."""
-        for uid in uids:
-            record = self._records[uid]
-            storage = record.param.untyped_storage()
+        for record in records:
+            param = record.param
+            storage = param.untyped_storage()
             if record.stage == 3 and storage.nbytes() > 0:
                 self._add_resting("device", -storage.nbytes())
+                record.full_storage_bytes = 0
                 storage.resize_(0)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
-        uid = self._uid_by_param.get(id(param))
-        return None if uid is None else self._records[uid]
+        """The record of ``param`` (this very tensor object, alive), or None if it was never adopted."""
+        ref = self._by_param.get(id(param))
+        if ref is None or ref() is not param:
+            return None
+        return self._records.get(ref.uid)
 
-    def record(self, uid: int) -> ParamRecord:
-        return self._records[uid]
+    def _forget_param(self, uid: int, _ref: weakref.ref) -> None:
+        """Weakref callback: the parameter of ``uid`` was collected.
+
+        It may run inside any allocation (the garbage collector), with any lock
+        held, so it only queues the uid (``SimpleQueue.put`` is reentrant);
+        :meth:`collect` frees the record's state at the next safe point.
+        """
+        self._dropped.put(uid)
+
+    def collect(self) -> None:
+        """Free the state of every parameter collected since the last call (see :meth:`_forget_param`).
+
+        Called at the runtime's entry points (adoption, each compiled call,
+        the optimizer, ``memory_report``), on the thread that uses the store.
+        """
+        while True:
+            try:
+                uid = self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                record = self._records.pop(uid, None)
+                if record is None:
+                    continue
+                entry = self._by_param.get(record.param_id)
+                if entry is not None and entry.uid == uid:
+                    del self._by_param[record.param_id]
+                self._free(record)
+
+    def _free(self, record: ParamRecord) -> None:
+        """Give back everything ``record`` holds: memory (and its accounting), swap files, ownership."""
+        self.drop_grads([record])
+        if record.full_storage_bytes:
+            self._add_resting("device", -record.full_storage_bytes)
+        if record.param_tier != "nvme":
+            self._add_resting(_tier_memory(record.param_tier), -_nbytes(record.shard))
+        if record.master is not None and record.master is not record.shard:
+            self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.master))
+        record.shard = record.master = None
+        if record.swap is not None:
+            for key, _, _ in record.swap_layout():
+                record.swap.forget(key)
+            for index in range(len(sub_groups(record.local_numel))):
+                for name in ("master", "exp_avg", "exp_avg_sq", "grad"):
+                    record.swap.forget(state_key(name, record.uid, index))
+        if record.owner is not None:
+            self._owned_bytes_by_rank[record.owner] -= record.numel
 
     def records(self) -> list[ParamRecord]:
         return list(self._records.values())
 
     # --- fetch: nc (NVMe -> pinned CPU buffer), cg (CPU -> device) ----------------
 
-    def nc_start(self, uid: int, tile: int | None = None) -> None:
+    def nc_start(self, record: ParamRecord, tile: int | None = None) -> None:
         """Start reading the shard of an nvme-tier parameter into a pinned buffer.
 
         ``tile``: for one tile's fetch (allgather partition: only that tile's swap key
         is read; broadcast: the whole shard, which is one key).
         """
-        record = self._records[uid]
         if tile is not None:
             return self._tile_nc_start(record, tile)
         staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
         requests = self._read_param(record, staging, record.swap_layout()) if record.owns_state else []
         record._reads.append((requests, staging))
 
-    def nc_wait(self, uid: int, tile: int | None = None) -> None:
-        record = self._records[uid]
+    def nc_wait(self, record: ParamRecord, tile: int | None = None) -> None:
         if tile is not None:
             return self._tile_nc_wait(record, tile)
         if not record._reads:
@@ -461,9 +541,8 @@ class ParamStore:
         for request in requests:
             request.wait()
 
-    def cg_start(self, uid: int, tile: int | None = None) -> None:
+    def cg_start(self, record: ParamRecord, tile: int | None = None) -> None:
         """Start copying the shard (or its ``tile`` slice) from CPU memory (cpu tier, or the nc buffer) to the device."""
-        record = self._records[uid]
         if tile is not None:
             return self._tile_cg_start(record, tile)
         staging = None
@@ -480,8 +559,7 @@ class ParamStore:
         work = COPIER.copy(on_device, source, "cg", f"cg {record.name}")
         record._copies.append((on_device, staging, work))
 
-    def cg_wait(self, uid: int, tile: int | None = None) -> None:
-        record = self._records[uid]
+    def cg_wait(self, record: ParamRecord, tile: int | None = None) -> None:
         if tile is not None:
             return self._tile_cg_wait(record, tile)
         if not record._copies:
@@ -500,20 +578,19 @@ class ParamStore:
             return record.shard
         # No nc/cg ran for this use (outside a graph, or the offload pass is off): fetch synchronously.
         if record.param_tier == "nvme":
-            self.nc_start(record.uid)
-            self.nc_wait(record.uid)
-        self.cg_start(record.uid)
-        self.cg_wait(record.uid)
+            self.nc_start(record)
+            self.nc_wait(record)
+        self.cg_start(record)
+        self.cg_wait(record)
         return self._local_shard_on_device(record)
 
     # --- gather / release -------------------------------------------------------
 
-    def gather_start(self, uid: int, tile: int | None = None) -> None:
+    def gather_start(self, record: ParamRecord, tile: int | None = None) -> None:
         """Start assembling the full parameter (all-gather of slices, or broadcast from its owner).
 
         ``tile``: assemble only that row tile of a tiled parameter.
         """
-        record = self._records[uid]
         if tile is not None:
             return self._tile_gather_start(record, tile)
         shard = self._local_shard_on_device(record)
@@ -537,9 +614,8 @@ class ParamStore:
         return (record.world_size == 1 and record.partition == "allgather" and record.param_tier != "device"
                 and shard.numel() == numel)
 
-    def gather_wait(self, uid: int, tile: int | None = None) -> torch.Tensor:
+    def gather_wait(self, record: ParamRecord, tile: int | None = None) -> torch.Tensor:
         """Finish the oldest in-flight gather of ``uid`` (or of its ``tile``); the full parameter in its own dtype."""
-        record = self._records[uid]
         if tile is not None:
             return self._tile_gather_wait(record, tile)
         if not record._gathers:
@@ -550,17 +626,16 @@ class ParamStore:
             full = _untile(record, buffer)
         else:
             full = buffer[: record.numel].view(record.shape)
-        if full.dtype != record.param.dtype:
-            full = full.to(record.param.dtype)
+        if full.dtype != record.dtype:
+            full = full.to(record.dtype)
         return full
 
-    def release(self, uid: int, tile: int | None = None) -> None:
+    def release(self, record: ParamRecord, tile: int | None = None) -> None:
         """The graph is done with a gathered copy of ``uid`` (or of its ``tile``): it no longer counts as held.
 
         The memory itself goes when the graph drops its last reference, right
         after this op (the generated code frees values after their last use).
         """
-        record = self._records[uid]
         if tile is not None:
             self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize)
             return
@@ -670,8 +745,8 @@ class ParamStore:
         work, buffer, _ = queue.pop(0)
         work.wait()
         weight_tile = buffer[: record.tile_numel(tile)].view((record.tile_rows[tile],) + tuple(record.shape[1:]))
-        if weight_tile.dtype != record.param.dtype:
-            weight_tile = weight_tile.to(record.param.dtype)
+        if weight_tile.dtype != record.dtype:
+            weight_tile = weight_tile.to(record.dtype)
         return weight_tile
 
     def _tile_reduce_start(self, record: ParamRecord, grad: torch.Tensor, tile: int) -> None:
@@ -750,12 +825,11 @@ class ParamStore:
 
     # --- gradients ---------------------------------------------------------------
 
-    def reduce_grad_start(self, uid: int, grad: torch.Tensor, tile: int | None = None) -> None:
+    def reduce_grad_start(self, record: ParamRecord, grad: torch.Tensor, tile: int | None = None) -> None:
         """Start averaging ``grad`` over ranks into this rank's slice (or to the owner).
 
         ``tile``: ``grad`` is the gradient of that row tile only.
         """
-        record = self._records[uid]
         # The gradient the graph hands over is device memory too, until this op returns.
         self._add_transient("device", _nbytes(grad), what=f"reduce_grad_start of {record.name}")
         try:
@@ -795,14 +869,13 @@ class ParamStore:
         self._add_transient("device", _nbytes(staging) + (_nbytes(out) if out is not staging else 0),
                             what=f"reduce_grad_start of {record.name}")
 
-    def reduce_grad_wait(self, uid: int, tile: int | None = None) -> None:
+    def reduce_grad_wait(self, record: ParamRecord, tile: int | None = None) -> None:
         """Finish the oldest in-flight reduce of ``uid`` and add it to the gradient shard.
 
         The gradient shard lives where the optimizer steps: on the device, or
         in CPU memory for cpu and nvme optimizer tiers (the device-to-CPU copy
         happens here, right after the reduction).
         """
-        record = self._records[uid]
         if tile is not None:
             return self._tile_reduce_wait(record, tile)
         if not record._reduces:
@@ -833,10 +906,10 @@ class ParamStore:
         started = []
         for record in records:
             if record.param.grad is not None:
-                self.reduce_grad_start(record.uid, record.param.grad)
+                self.reduce_grad_start(record, record.param.grad)
                 started.append(record)
         for record in started:
-            self.reduce_grad_wait(record.uid)
+            self.reduce_grad_wait(record)
             record.param.grad = None
 
     def _swap_grad(self, record: ParamRecord, reduced: torch.Tensor) -> None:
@@ -934,19 +1007,19 @@ class ParamStore:
         # Frozen parameters never change: nothing to rebuild, no collective to pay.
         records = [r for r in records if r.stage in (1, 2) and r.trainable]
         for record in records:
-            self.gather_start(record.uid)
+            self.gather_start(record)
         for record in records:
-            full = self.gather_wait(record.uid)
+            full = self.gather_wait(record)
             record.param.data.copy_(full)
-            self.release(record.uid)
+            self.release(record)
 
     def full_param(self, record: ParamRecord) -> torch.Tensor:
         """A full copy of the parameter's current value (collective: every rank must call)."""
         if record.stage != 3:
             return record.param.detach().clone()
-        self.gather_start(record.uid)
-        full = self.gather_wait(record.uid).clone()
-        self.release(record.uid)
+        self.gather_start(record)
+        full = self.gather_wait(record).clone()
+        self.release(record)
         return full
 
     # --- accounting --------------------------------------------------------------

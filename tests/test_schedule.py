@@ -160,9 +160,9 @@ def test_inductor_runs_zinf_ops_in_scheduled_order(tmp_path, monkeypatch):
     for method in ("nc_start", "nc_wait", "cg_start", "cg_wait", "gather_start", "gather_wait", "release"):
         original = getattr(STORE, method)
 
-        def record(uid, *args, _method=method, _original=original):
-            calls.append((_method, uid))
-            return _original(uid, *args)
+        def record(param_record, *args, _method=method, _original=original):
+            calls.append((_method, param_record.name))
+            return _original(param_record, *args)
 
         monkeypatch.setattr(STORE, method, record)
     train(tmp_path, lower="inductor", offload_param="nvme")
@@ -171,9 +171,9 @@ def test_inductor_runs_zinf_ops_in_scheduled_order(tmp_path, monkeypatch):
     expected = []
     for transfer in table["transfers"]:
         start, wait = names[transfer["step"]]
-        expected.append((transfer["start_pos"], start, transfer["uid"]))
-        expected.append((transfer["wait_pos"], wait, transfer["uid"]))
-    expected = [(method, uid) for _, method, uid in sorted(expected)]
+        expected.append((transfer["start_pos"], start, transfer["param"]))
+        expected.append((transfer["wait_pos"], wait, transfer["param"]))
+    expected = [(method, name) for _, method, name in sorted(expected)]
     forward_calls = [call for call in calls if call[0] != "release"][: len(expected)]
     assert sorted(forward_calls) == sorted(expected)
     # The starts run exactly in the scheduled order.  (A wait may run earlier than

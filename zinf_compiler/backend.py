@@ -15,6 +15,7 @@ runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable
@@ -28,7 +29,8 @@ from .context import CapturedGraph, GraphContext
 from .cost_model import CostModel, profile_machine
 from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
-from .runtime.store import DTYPES, STORE
+from .runtime.binding import Binding, bind_backward, bound
+from .runtime.store import DTYPES, STORE, ZinfStoreError
 from .dump import GraphDumper
 from .options import ZinfOptions, parse_options
 from .pipeline import run_passes
@@ -41,36 +43,38 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
     from zinf_compiler.passes import pass_names
 
     parsed = parse_options(options, known_passes=pass_names())
-    if parsed.stage == 3 and not torch._dynamo.config.fail_on_recompile_limit_hit:
-        # Past the recompile limit Dynamo would run the frame eagerly, and
-        # eager code cannot read stage-3 parameters (they hold no memory):
-        # ask Dynamo for an error naming the limit instead.
-        log.warning("zinf: stage 3 sets torch._dynamo.config.fail_on_recompile_limit_hit = True "
-                    "(an eager fallback cannot run on sharded parameters)")
+    if parsed.stage >= 2 and not torch._dynamo.config.fail_on_recompile_limit_hit:
+        # Past the recompile limit Dynamo would run the frame eagerly: eager code
+        # cannot read stage-3 parameters (they hold no memory), and at stage 2 its
+        # gradients would land in param.grad, which zinf's optimizer never reads
+        # (a silently untrained model).  Ask Dynamo for an error instead.  (At
+        # stages 0-1 graphs keep full parameters and gradients: eager is right.)
+        log.warning("zinf: stage %d sets torch._dynamo.config.fail_on_recompile_limit_hit = True (an eager "
+                    "fallback would not train sharded parameters); mark varying input sizes dynamic "
+                    "(torch._dynamo.mark_dynamic or dynamic=True) to avoid recompiles", parsed.stage)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     return compile_captured(gm, example_inputs, parsed)
 
 
 def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> Callable:
+    STORE.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
     # The budget the runtime enforces on gathered and in-flight device bytes.
     STORE.device_memory_limit = options.device_memory_limit
+    adopted = []
     if options.stage > 0:
+        _check_materialized(captured)
         plan_offload(list(captured.param_tensors.values()), options)
         from zinf_compiler.passes import tile as tile_pass
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
         for position, param in captured.param_tensors.items():
-            captured.param_uids[position] = STORE.adopt(
-                param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
-                param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
-                opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_plans.get(position),
-            )
-            adopted_tiles = STORE.record(captured.param_uids[position]).tile_rows
-            if adopted_tiles is not None:
-                captured.tile_rows[position] = adopted_tiles
+            record = _adopt(captured, position, param, tile_plans.get(position))
+            if record.tile_rows is not None:
+                captured.tile_rows[position] = record.tile_rows
+            adopted.append(record)
     _plan_schedule(captured, options)
     dumper = GraphDumper(captured)
     dumper.dump_dynamo(gm)
@@ -85,8 +89,91 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         else:
             compiled = _compile_eager(gm, example_inputs, rewrite)
     # Only now, with tracing done, may stage 3 parameters give up their memory.
-    STORE.release_full_storage(captured.param_uids.values())
-    return compiled
+    STORE.release_full_storage(adopted)
+    # The compiled graph serves any module Dynamo hands it: it must not keep this one alive.
+    captured.param_tensors = {}
+    if options.stage == 0:
+        return compiled  # nothing adopted: the graph's ops (stage-0 all-reduce) name no parameter
+    return _bind_at_run_time(compiled, captured)
+
+
+def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows):
+    options = captured.options
+    return STORE.adopt(
+        param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
+        param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
+        opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows,
+    )
+
+
+def _check_materialized(captured: CapturedGraph) -> None:
+    meta = [captured.inputs[position].name for position, p in captured.param_tensors.items() if p.is_meta]
+    if meta:
+        raise ZinfStoreError(
+            f"zinf: parameters {meta[:4]}{' ...' if len(meta) > 4 else ''} are on the meta device (built under "
+            f"`with torch.device('meta')`); call zinf.materialize(model, options, init_fn=...) before "
+            f"torch.compile to build them straight into their shards"
+        )
+
+
+def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
+    """Wrap ``compiled`` so each call runs on the parameters it is handed (see runtime/binding.py).
+
+    A parameter this graph has not seen (another instance of the same module
+    class, the next block after a graph break, a model built after an old
+    one) is adopted at its first call, with the layout the graph was compiled
+    for.
+    """
+    slots = [info.position for info in captured.params]
+
+    def bind(args) -> Binding:
+        STORE.collect()
+        records = {}
+        for slot in slots:
+            param = args[slot]
+            record = STORE.lookup(param)
+            if record is None:
+                record = _adopt_at_run_time(captured, slot, param)
+            elif captured.tile_rows.get(slot) != record.tile_rows:
+                raise ZinfStoreError(
+                    f"zinf graph {captured.graph_id}: parameter {record.name} is laid out in row tiles "
+                    f"{record.tile_rows}, this graph was compiled for {captured.tile_rows.get(slot)}; one parameter "
+                    f"used by graphs with different tile plans is not supported (set tile_factor to a fixed value)"
+                )
+            records[slot] = record
+        return Binding(records, captured.graph_id)
+
+    def run(*args):
+        # Boxed (one list of inputs) or not, as Dynamo calls ``compiled``: graph
+        # inputs are tensors and numbers, never a list.
+        boxed = len(args) == 1 and isinstance(args[0], list)
+        binding = bind(args[0] if boxed else args)
+        with bound(binding):
+            outputs = compiled(*args)
+        bind_backward(outputs, binding)
+        return outputs
+
+    functools.update_wrapper(run, compiled)
+    run.zinf_captured = captured
+    return run
+
+
+def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor):
+    options = captured.options
+    name = captured.inputs[slot].name
+    if param.is_meta:
+        _check_materialized(dataclasses.replace(captured, param_tensors={slot: param}))
+    if options.stage == 3 and param.untyped_storage().nbytes() < param.numel() * param.element_size():
+        raise ZinfStoreError(f"zinf: parameter {name} holds no memory and zinf has no record of it; "
+                             f"was it sharded by another process or a dropped model?")
+    plan_offload([param], options)
+    record = _adopt(captured, slot, param, captured.tile_rows.get(slot))
+    if record.tile_rows != captured.tile_rows.get(slot):
+        raise ZinfStoreError(
+            f"zinf graph {captured.graph_id}: parameter {name} was laid out in row tiles {record.tile_rows}, "
+            f"this graph expects {captured.tile_rows.get(slot)}")
+    STORE.release_full_storage([record])
+    return record
 
 
 TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
@@ -207,7 +294,10 @@ def _param_placeholders(captured: CapturedGraph, aten_gm: torch.fx.GraphModule, 
             )
         for info, node in zip(captured.inputs, placeholders[tokens:]):
             value = node.meta.get("val")
-            if info.shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
+            # Parameters only: their shapes are static, while comparing a user input's
+            # symbolic sizes would add a guard that specializes dynamic shapes.
+            if (info.kind == "param" and info.shape is not None and isinstance(value, torch.Tensor)
+                    and tuple(value.shape) != info.shape):
                 raise RuntimeError(
                     f"zinf: graph {captured.graph_id} {kind}: input {node.name} has shape {tuple(value.shape)}, "
                     f"expected {info.shape} for {info.name}; cannot identify its parameters"

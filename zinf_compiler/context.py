@@ -59,15 +59,14 @@ class CapturedGraph:
     graph_id: int
     options: ZinfOptions
     inputs: list[InputInfo]
-    # Real parameter tensors by Dynamo position (the runtime adopts these);
-    # user inputs are not kept, so a batch is never held alive by a compile.
+    # Real parameter tensors by Dynamo position, while compiling (adopted
+    # then); emptied after, so a compiled graph never keeps a model alive.
+    # User inputs are not kept either.
     param_tensors: dict[int, torch.Tensor]
     # Filled while the forward graph is rewritten: ATen placeholder name
     # (``primals_3``) -> the Dynamo input it carries.  The backward graph's
     # saved primals keep these names, which is how it finds its parameters.
     input_by_placeholder: dict[str, InputInfo] = dataclasses.field(default_factory=dict)
-    # Dynamo position -> the runtime store's uid of the adopted parameter.
-    param_uids: dict[int, int] = dataclasses.field(default_factory=dict)
     # Dynamo position -> rows per tile of a parameter the tile pass splits
     # (its layout in the store, fixed when the parameter was first adopted).
     tile_rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)

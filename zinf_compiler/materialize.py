@@ -101,10 +101,10 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
                 raise ValueError(f"zinf.materialize: module {type(module).__name__} has parameters but no "
                                  f"reset_parameters(); pass init_fn to fill them")
         for name, real in ready:
-            uid = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
-                              param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
-                              opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed))
-            STORE.release_full_storage([uid])
+            record = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
+                                 param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
+                                 opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed))
+            STORE.release_full_storage([record])
             done += real.numel()
         if ready:
             trim()  # the full tensors just freed sit in glibc's heap otherwise: RSS would grow module by module

@@ -4,17 +4,25 @@ Every asynchronous step is a pair: a ``*_start`` op that begins the transfer
 and returns a token (a 0-element tensor that only orders the pair), and a
 ``*_wait`` op that consumes the token.  The schedule pass only moves these
 nodes; it never changes what they mean.  Each op calls into the runtime
-store by parameter uid (an int baked into the graph), has a fake kernel for
-tracing, and ops that return nothing are marked side-effecting so that dead
-code elimination keeps them.
+store by parameter *slot*: the parameter's position among the Dynamo graph's
+inputs, resolved at run time against the parameters of the call in progress
+(:mod:`zinf_compiler.runtime.binding`), so one compiled graph serves every
+module Dynamo hands it.  Each op has a fake kernel for tracing, and ops that
+return nothing are marked side-effecting so that dead code elimination keeps
+them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from zinf_compiler.runtime import binding
 from zinf_compiler.runtime.comm import COMM
 from zinf_compiler.runtime.store import STORE
+
+
+def _record(slot: int):
+    return binding.current().record(slot)
 
 
 def _token(like: torch.Tensor) -> torch.Tensor:
@@ -27,41 +35,41 @@ def _tile(tile: int) -> int | None:
 
 
 @torch.library.custom_op("zinf::nc_start", mutates_args=())
-def nc_start(param: torch.Tensor, uid: int, tile: int = -1) -> torch.Tensor:
-    """Begin reading parameter ``uid``'s shard from NVMe into a pinned CPU buffer (for ``tile``, if >= 0)."""
-    STORE.nc_start(uid, _tile(tile))
+def nc_start(param: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
+    """Begin reading the parameter in ``slot``'s shard from NVMe into a pinned CPU buffer (for ``tile``, if >= 0)."""
+    STORE.nc_start(_record(slot), _tile(tile))
     return _token(param)
 
 
 @torch.library.custom_op("zinf::nc_wait", mutates_args=())
-def nc_wait(token: torch.Tensor, uid: int, tile: int = -1) -> torch.Tensor:
+def nc_wait(token: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
     """Finish the NVMe read; returns a token ordering the CPU-to-device copy after it."""
-    STORE.nc_wait(uid, _tile(tile))
+    STORE.nc_wait(_record(slot), _tile(tile))
     return _token(token)
 
 
 @torch.library.custom_op("zinf::cg_start", mutates_args=())
-def cg_start(after: torch.Tensor, uid: int, tile: int = -1) -> torch.Tensor:
-    """Begin copying parameter ``uid``'s shard (or its slice of ``tile``) from CPU memory to the device."""
-    STORE.cg_start(uid, _tile(tile))
+def cg_start(after: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
+    """Begin copying the parameter in ``slot``'s shard (or its slice of ``tile``) from CPU memory to the device."""
+    STORE.cg_start(_record(slot), _tile(tile))
     return _token(after)
 
 
 @torch.library.custom_op("zinf::cg_wait", mutates_args=())
-def cg_wait(token: torch.Tensor, uid: int, tile: int = -1) -> torch.Tensor:
+def cg_wait(token: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
     """Finish the copy; the shard is staged on the device for the gather."""
-    STORE.cg_wait(uid, _tile(tile))
+    STORE.cg_wait(_record(slot), _tile(tile))
     return _token(token)
 
 
 @torch.library.custom_op("zinf::gather_start", mutates_args=())
-def gather_start(param: torch.Tensor, uid: int, after: torch.Tensor | None = None, tile: int = -1) -> torch.Tensor:
-    """Begin assembling the full parameter ``uid`` (``param`` is its storage-less placeholder).
+def gather_start(param: torch.Tensor, slot: int, after: torch.Tensor | None = None, tile: int = -1) -> torch.Tensor:
+    """Begin assembling the full the parameter in ``slot`` (``param`` is its storage-less placeholder).
 
     ``after``: the token of the fetch (cg) that staged the shard, if any.
     ``tile`` >= 0: assemble only that row tile of a tiled parameter.
     """
-    STORE.gather_start(uid, _tile(tile))
+    STORE.gather_start(_record(slot), _tile(tile))
     return _token(param)
 
 
@@ -70,52 +78,52 @@ for _token_op in (nc_start, nc_wait, cg_start, cg_wait, gather_start):
 
 
 @torch.library.custom_op("zinf::gather_wait", mutates_args=())
-def gather_wait(token: torch.Tensor, param: torch.Tensor, uid: int, tile: int = -1, tile_rows: int = 0) -> torch.Tensor:
+def gather_wait(token: torch.Tensor, param: torch.Tensor, slot: int, tile: int = -1, tile_rows: int = 0) -> torch.Tensor:
     """Finish the gather started with ``token``: the full parameter, shaped like ``param``.
 
     ``tile`` >= 0: only that row tile, ``tile_rows`` rows of ``param``.
     """
-    return STORE.gather_wait(uid, _tile(tile))
+    return STORE.gather_wait(_record(slot), _tile(tile))
 
 
 @gather_wait.register_fake
-def _(token, param, uid, tile=-1, tile_rows=0):
+def _(token, param, slot, tile=-1, tile_rows=0):
     if tile >= 0:
         return param.new_empty((tile_rows,) + tuple(param.shape[1:]))
     return torch.empty_like(param, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("zinf::release", mutates_args=())
-def release(gathered: torch.Tensor, uid: int, tile: int = -1) -> None:
+def release(gathered: torch.Tensor, slot: int, tile: int = -1) -> None:
     """The last use of a gathered parameter (or tile) has run: its bytes stop counting as held."""
-    STORE.release(uid, _tile(tile))
+    STORE.release(_record(slot), _tile(tile))
 
 
 @release.register_fake
-def _(gathered, uid, tile=-1):
+def _(gathered, slot, tile=-1):
     return None
 
 
 @torch.library.custom_op("zinf::reduce_grad_start", mutates_args=())
-def reduce_grad_start(grad: torch.Tensor, uid: int, tile: int = -1) -> torch.Tensor:
-    """Begin reducing parameter ``uid``'s gradient (of row ``tile``, if >= 0) over ranks into its owning shard."""
-    STORE.reduce_grad_start(uid, grad, _tile(tile))
+def reduce_grad_start(grad: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
+    """Begin reducing the parameter in ``slot``'s gradient (of row ``tile``, if >= 0) over ranks into its owning shard."""
+    STORE.reduce_grad_start(_record(slot), grad, _tile(tile))
     return _token(grad)
 
 
 @reduce_grad_start.register_fake
-def _(grad, uid, tile=-1):
+def _(grad, slot, tile=-1):
     return grad.new_empty(0, dtype=torch.uint8)
 
 
 @torch.library.custom_op("zinf::reduce_grad_wait", mutates_args=())
-def reduce_grad_wait(token: torch.Tensor, uid: int, tile: int = -1) -> None:
+def reduce_grad_wait(token: torch.Tensor, slot: int, tile: int = -1) -> None:
     """Finish the reduce started with ``token``; the result is in the store's gradient shard."""
-    STORE.reduce_grad_wait(uid, _tile(tile))
+    STORE.reduce_grad_wait(_record(slot), _tile(tile))
 
 
 @reduce_grad_wait.register_fake
-def _(token, uid, tile=-1):
+def _(token, slot, tile=-1):
     return None
 
 

@@ -22,6 +22,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
@@ -58,6 +59,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._nvme: NvmeAdam | None = None
         self._state_bytes = {"device": 0, "cpu": 0}
         _LIVE_OPTIMIZERS.add(self)
+        # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
+        weakref.finalize(self, _unaccount_state, self._state_bytes)
 
     # --- binding to the store ----------------------------------------------------
 
@@ -98,11 +101,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if not any(key in self.defaults for key in ("fused", "foreach")):
             kwargs["fused"] = True
         try:
-            return self.inner_class(inner_groups, **kwargs)
+            inner = self.inner_class(inner_groups, **kwargs)
         except (RuntimeError, ValueError, TypeError):
             if not kwargs:
                 raise
-            return self.inner_class(inner_groups)  # fused unsupported for these tensors
+            inner = self.inner_class(inner_groups)  # fused unsupported for these tensors
+        inner._zinf_inner = True  # steps zinf's masters: not refused by _refuse_foreign_optimizers
+        return inner
 
     def _all_slots(self) -> list[_Slot]:
         """Every slot, the nvme-tier ones included."""
@@ -303,6 +308,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
             self._state_bytes[tier] = held[tier]
 
 
+def _unaccount_state(state_bytes: dict[str, int]) -> None:
+    for tier, nbytes in state_bytes.items():
+        STORE.add_optimizer_bytes(tier, -nbytes)
+        state_bytes[tier] = 0
+
+
 @contextlib.contextmanager
 def _stepping_only(inner: torch.optim.Optimizer, slots: list[_Slot] | None):
     """Within the block, ``inner.step()`` updates only these slots' masters (None: all)."""
@@ -325,6 +336,35 @@ def _swap_transaction(records) -> contextlib.ExitStack:
     for engine in {id(r.swap): r.swap for r in records if r.swap is not None}.values():
         stack.enter_context(engine.transaction())
     return stack
+
+
+def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before any ``torch.optim`` step: refuse one that would silently miss zinf's gradients.
+
+    At stages 2-3 a sharded parameter's gradient lives in zinf's store
+    (``param.grad`` stays None), so a plain torch optimizer would step nothing;
+    at stage 1 with several ranks it would step un-averaged gradients.  Its
+    step raises instead, naming the zinf optimizer to use.
+    """
+    if isinstance(optimizer, ZinfOptimizer) or getattr(optimizer, "_zinf_inner", False):
+        return
+    STORE.collect()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            record = STORE.lookup(param)
+            if record is None or record.stage == 0 or (record.stage == 1 and record.world_size == 1):
+                continue
+            name = type(optimizer).__name__
+            suggestion = name if name in ("AdamW", "Adam", "SGD") else "AdamW"
+            raise RuntimeError(
+                f"{type(optimizer).__module__}.{name} cannot train parameter {record.name}: at zinf stage "
+                f"{record.stage} its gradient and optimizer state live in zinf's shards (param.grad stays None), "
+                f"so this optimizer would update nothing. Use zinf_compiler.optim.{suggestion}(model.parameters(), "
+                f"...) (AdamW, Adam or SGD), which steps the shards and takes the same arguments"
+            )
+
+
+register_optimizer_step_pre_hook(_refuse_foreign_optimizers)
 
 
 def live_optimizers() -> list[ZinfOptimizer]:

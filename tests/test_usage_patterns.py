@@ -1,0 +1,231 @@
+"""Everyday ways of calling models, each equal to eager or a clear error (issue: no silent wrong results).
+
+Every case here was silently wrong, crashed or leaked before parameters
+were bound at run time; see tests/usage.py for the side-by-side harness.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import zinf_compiler as zinf
+from zinf_compiler.runtime.store import STORE
+from usage import Pair, seeded, train_interleaved
+
+EAGER3 = {"stage": 3, "lower": "eager"}
+
+
+def mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block; ``interrupt`` puts a graph break in the middle of its forward."""
+
+    def __init__(self, width: int = 8, interrupt: str | None = None):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, 2 * width)
+        self.fc2 = torch.nn.Linear(2 * width, width)
+        self.interrupt = interrupt
+
+    def forward(self, x):
+        hidden = torch.relu(self.fc1(x))
+        if self.interrupt == "graph_break":
+            torch._dynamo.graph_break()
+        elif self.interrupt == "item":
+            self.last_sum = hidden.sum().item()  # a host sync: Dynamo breaks the graph here
+        elif self.interrupt == "print":
+            print("block hidden", tuple(hidden.shape))
+        return x + self.fc2(hidden)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, depth: int = 3, interrupt: str | None = None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(interrupt=interrupt) for _ in range(depth))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batches(count: int = 3, rows: int = 5, width: int = 8, seed: int = 7) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, width, generator=generator) for _ in range(count)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_instances_of_one_class_train_their_own_weights(stage):
+    # Same code, so Dynamo hands both models one compiled graph; each must use its own weights.
+    pairs = [Pair(seeded(mlp, seed), {"stage": stage, "lower": "eager"}) for seed in (0, 1)]
+    losses = train_interleaved(pairs, batches(), steps=3)
+    for pair, pair_losses in zip(pairs, losses):
+        pair.assert_equal(pair_losses, f"stage {stage}")
+    assert losses[0][0][0] != losses[1][0][0]  # the two models really differ
+
+
+@pytest.mark.parametrize("interrupt", ["graph_break", "item", "print"])
+def test_graph_break_inside_a_repeated_block(interrupt):
+    # Each block's halves become graphs that every block shares.
+    pair = Pair(seeded(lambda: Stack(interrupt=interrupt), 0), EAGER3)
+    pair.assert_equal(train_interleaved([pair], batches(), steps=3)[0], interrupt)
+
+
+def test_each_block_compiled_on_its_own():
+    def compile_blocks(model):
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = torch.compile(block, backend="zinf", options=EAGER3)
+        return model
+
+    pair = Pair(seeded(Stack, 0), EAGER3, compile_fn=compile_blocks)
+    pair.assert_equal(train_interleaved([pair], batches(), steps=3)[0])
+
+
+def test_a_new_model_after_dropping_the_old_one():
+    # Resuming: the first model is dropped, a second one of the same class (other weights) trains.
+    first = Pair(seeded(Stack, 0), EAGER3)
+    train_interleaved([first], batches(), steps=2)
+    del first
+    gc.collect()
+    second = Pair(seeded(Stack, 1), EAGER3)
+    second.assert_equal(train_interleaved([second], batches(), steps=3)[0])
+
+
+def test_three_instances_with_inductor():
+    pairs = [Pair(seeded(mlp, seed), {"stage": 3}) for seed in (0, 1, 2)]
+    losses = train_interleaved(pairs, batches(), steps=2)
+    for pair, pair_losses in zip(pairs, losses):
+        pair.assert_equal(pair_losses, "inductor")
+
+
+def test_zinf_op_outside_a_compiled_call_is_a_clear_error():
+    from zinf_compiler import ops
+    from zinf_compiler.runtime.binding import ZinfBindingError
+
+    with pytest.raises(ZinfBindingError, match="outside a call of a graph compiled by zinf"):
+        ops.gather_start(torch.empty(2), 0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_a_torch_optimizer_on_sharded_gradients_is_refused(stage, optimizer):
+    # Before: param.grad stays None at stages 2-3 and torch.optim silently trained nothing.
+    model = seeded(mlp, 0)
+    compiled = torch.compile(model, backend="zinf", options={"stage": stage, "lower": "eager"})
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.1)
+    compiled(batches()[0]).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=f"Use zinf_compiler.optim.{optimizer}"):
+        opt.step()
+
+
+def test_a_torch_optimizer_on_unsharded_parameters_still_works():
+    # Stage 0 (and stage 1 on one rank) keep full gradients in param.grad: nothing to refuse.
+    pair_model = seeded(mlp, 0)
+    compiled = torch.compile(pair_model, backend="zinf", options={"stage": 0, "lower": "eager"})
+    opt = torch.optim.SGD(pair_model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in pair_model.parameters()]
+    compiled(batches()[0]).pow(2).mean().backward()
+    opt.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, pair_model.parameters()))
+
+
+@pytest.mark.parametrize("stage,offload", [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (3, "cpu"),
+                                           (3, "nvme")])
+def test_inference_mode_and_no_grad_equal_eager(stage, offload, tmp_path):
+    # Before: at stage 3 the copy worker raised "Inplace update to inference tensor outside InferenceMode".
+    options = {"stage": stage, "lower": "eager", "offload_param": offload, "nvme_path": str(tmp_path)}
+    pair = Pair(seeded(Stack, 0), options)
+    pair.eager.eval()
+    pair.zinf_model.eval()
+    x = batches()[0]
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            expected, actual = pair.eager(x), pair.compiled(x)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    # And training goes on afterwards.
+    pair.zinf_model.train()
+    pair.eager.train()
+    pair.assert_equal(train_interleaved([pair], batches(), steps=2)[0], f"after inference, {options}")
+
+
+class CountingBackend:
+    """Counts zinf compiles (one per Dynamo graph) around the real backend."""
+
+    def __init__(self, monkeypatch):
+        from zinf_compiler import backend
+
+        self.count = 0
+        real = backend.compile_captured
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "compile_captured", counted)
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
+    # Before: zinf's placeholder check added an Eq(s, N) guard per symbolic size, so every
+    # length recompiled and the 9th failed (stage 3) or silently fell back to eager (stage 2).
+    from zinf_compiler.gpt import GPT, GPTConfig
+
+    compiles = CountingBackend(monkeypatch)
+    cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    eager = GPT(cfg)
+    import copy
+
+    zinf_model = copy.deepcopy(eager)
+    compiled = torch.compile(zinf_model, backend="zinf", options={"stage": stage, "lower": "eager"}, dynamic=dynamic)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    zinf_opt = zinf.optim.AdamW(zinf_model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    after_first_two = None
+    for step, length in enumerate([4, 7, 9, 12, 15, 17, 20, 23, 25, 28, 31]):
+        idx = torch.randint(0, cfg.vocab_size, (2, length), generator=generator)
+        losses = []
+        for model, opt in ((eager, eager_opt), (compiled, zinf_opt)):
+            loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5), f"length {length}"
+        if step == 1:
+            after_first_two = compiles.count
+    # Static first, then one dynamic graph (dynamic=None), or dynamic from the start: no more after.
+    assert compiles.count == after_first_two
+    assert compiles.count <= 4
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x, tag: str):
+        return self.fc(x) * len(tag)  # a string: Dynamo guards on its value, one graph per tag
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_past_the_recompile_limit_is_an_error_not_an_untrained_model(stage):
+    # Before (stage 2): past the limit Dynamo ran the frame eagerly, gradients went to
+    # param.grad and zinf's optimizer silently stepped nothing.
+    model = seeded(Scaled, 0)
+    compiled = torch.compile(model, backend="zinf", options={"stage": stage, "lower": "eager"})
+    opt = zinf.optim.SGD(model.parameters(), lr=0.1)
+    x = batches()[0]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compiled(x, "a").sum().backward()
+        opt.step()
+        compiled(x, "bb").sum().backward()
+        opt.step()
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            compiled(x, "ccc")
