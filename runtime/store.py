@@ -380,8 +380,12 @@ class ParamStore:
                     f"zinf can only shard parameters that own their memory"
                 )
             world_size, rank = self.comm.world_size, self.comm.rank
-            compute_dtype = DTYPES[param_dtype]
-            tile_rows = _tile_rows(tile_rows, param)
+            # Integer and bool parameters (counters, masks) are never trained: kept
+            # exact in their own dtype, never passed through a float dtype.
+            exact = not param.is_floating_point()
+            compute_dtype = param.dtype if exact else DTYPES[param_dtype]
+            holding_dtype = param.dtype if exact else torch.float32
+            tile_rows = None if exact else _tile_rows(tile_rows, param)
             tile_align = (4096 // compute_dtype.itemsize
                           if tile_rows is not None and param_tier == "nvme" and partition == "allgather" else 1)
             full = param.detach()
@@ -393,12 +397,12 @@ class ParamStore:
             if partition == "broadcast":
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + flat.numel()
-                local = flat.to(torch.float32, copy=True) if rank == owner else flat.new_empty(0, dtype=torch.float32)
+                local = flat.to(holding_dtype, copy=True) if rank == owner else flat.new_empty(0, dtype=holding_dtype)
             elif tile_rows is not None:
                 local = _tile_major_slice(flat, tile_rows, world_size, rank, tile_align)
             else:
                 shard_numel = -(-flat.numel() // world_size)
-                local = torch.zeros(shard_numel, dtype=torch.float32, device=flat.device)
+                local = torch.zeros(shard_numel, dtype=holding_dtype, device=flat.device)
                 start = rank * shard_numel
                 stop = min(start + shard_numel, flat.numel())
                 if stop > start:
@@ -437,8 +441,8 @@ class ParamStore:
 
     def _place_master(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
         """The fp32 master on the optimizer tier; the shard itself where they coincide."""
-        if record.stage == 0:
-            return
+        if record.stage == 0 or not record.dtype.is_floating_point:
+            return  # nothing to step (an integer parameter never has a gradient)
         if record.opt_tier == "nvme":
             if record.owns_state and record.trainable:  # a frozen parameter is never stepped
                 write_initial_master(self, record, local_fp32)

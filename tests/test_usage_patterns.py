@@ -229,3 +229,43 @@ def test_past_the_recompile_limit_is_an_error_not_an_untrained_model(stage):
         opt.step()
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             compiled(x, "ccc")
+
+
+class WithCounter(torch.nn.Module):
+    """A model holding an integer parameter (a step counter) and a bool mask, both frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.counter = torch.nn.Parameter(torch.tensor([2**40 + 1, -3], dtype=torch.int64), requires_grad=False)
+        self.mask = torch.nn.Parameter(torch.tensor([True, False, True, True]), requires_grad=False)
+
+    def forward(self, x):
+        offset = (self.counter[0] - 2**40).to(x.dtype)  # 1 exactly; 0 if it went through fp32
+        return self.fc(x) * self.mask.to(x.dtype) + offset
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_integer_and_bool_parameters_stay_exact(offload, tmp_path):
+    # Before: sharded through fp32 at stage 3, 2**40 + 1 became 2**40.
+    options = {"stage": 3, "lower": "eager", "offload_param": offload, "nvme_path": str(tmp_path)}
+    pair = Pair(seeded(WithCounter, 0), options)
+    pair.assert_equal(train_interleaved([pair], batches(), steps=2)[0], str(options))
+    state = zinf.full_state_dict(pair.zinf_model)
+    assert state["counter"].dtype == torch.int64 and state["counter"].tolist() == [2**40 + 1, -3]
+    assert state["mask"].tolist() == [True, False, True, True]
+
+
+def test_stage_true_is_refused():
+    with pytest.raises(Exception, match="not the bool True"):  # Dynamo wraps it in BackendCompilerFailed
+        torch.compile(seeded(mlp, 0), backend="zinf", options={"stage": True})(batches()[0])
+
+
+def test_a_meta_model_without_materialize_names_materialize():
+    # With real inputs Dynamo itself stops first ("Tensor device mismatch ... cpu and meta", see
+    # the README); when the graph reaches zinf, its error says what to do.
+    with torch.device("meta"):
+        model = mlp()
+    compiled = torch.compile(model, backend="zinf", options=EAGER3)
+    with pytest.raises(Exception, match=r"call zinf.materialize\(model, options, init_fn=...\)"):
+        compiled(batches()[0].to("meta"))

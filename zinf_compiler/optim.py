@@ -87,6 +87,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                         )
                     self._nvme_slots.append((_Slot(param, record, None), group_index))
                     continue
+                if not param.is_floating_point():
+                    continue  # integer and bool parameters have no gradient: nothing to step
                 master = param if record is None or record.stage == 0 else record.master
                 group_slots.append(_Slot(param, record, master))
             self._slots.append(group_slots)

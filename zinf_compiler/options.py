@@ -59,6 +59,8 @@ def parse_bytes(value: Any) -> int:
 
 def _choice(*allowed: Any) -> Callable[[Any], Any]:
     def parse(value: Any) -> Any:
+        if isinstance(value, bool):  # True == 1 in Python: stage=True must not mean stage 1
+            raise ValueError("one of " + ", ".join(repr(a) for a in allowed) + f", not the bool {value}")
         for candidate in allowed:
             if value == candidate or (isinstance(value, str) and str(candidate) == value.strip().lower()):
                 return candidate
