@@ -1,0 +1,134 @@
+"""Property-based: models drawn from a small grammar train under zinf exactly as in eager.
+
+The grammar covers what users do and examples miss: repeated blocks of one
+class, graph breaks at any place inside a block, weights shared between
+blocks, frozen parts, buffers (read and updated in forward), 1-3 instances of
+one class in one process, batch and sequence sizes that change between
+steps; options: stage 0-3, parameter and optimizer tiers, tiling, world size 1.
+
+Examples per run: the ``ci`` profile (default) keeps CI bounded; run
+``HYPOTHESIS_PROFILE=thorough pytest tests/test_usage_properties.py`` for more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from usage import Pair, train_interleaved
+
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+WIDTH = 8
+BREAK_PLACES = ("start", "middle", "end")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    depth: int
+    break_at: tuple[str | None, ...]  # per block: where its forward breaks the graph, or None
+    tie: tuple[int, int] | None  # blocks (i, j): j's fc2 weight is i's
+    frozen: int | None  # this block's fc1 does not train
+    counting_buffer: bool  # blocks update a buffer in forward
+
+
+class GrammarBlock(torch.nn.Module):
+    def __init__(self, break_at: str | None, counting: bool):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = torch.nn.Linear(2 * WIDTH, WIDTH)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, WIDTH))
+        self.counting = counting
+        if counting:
+            self.register_buffer("calls", torch.zeros(()))
+        self.break_at = break_at
+
+    def forward(self, x):
+        if self.break_at == "start":
+            torch._dynamo.graph_break()
+        hidden = torch.tanh(self.fc1(x * self.scale))
+        if self.break_at == "middle":
+            torch._dynamo.graph_break()
+        if self.counting:
+            self.calls.add_(1)
+        out = x + self.fc2(hidden)
+        if self.break_at == "end":
+            torch._dynamo.graph_break()
+        return out
+
+
+class GrammarModel(torch.nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(GrammarBlock(spec.break_at[i], spec.counting_buffer)
+                                          for i in range(spec.depth))
+        if spec.tie is not None:
+            source, target = spec.tie
+            self.blocks[target].fc2.weight = self.blocks[source].fc2.weight
+        if spec.frozen is not None:
+            self.blocks[spec.frozen].fc1.requires_grad_(False)
+        self.head = torch.nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@st.composite
+def model_specs(draw) -> ModelSpec:
+    depth = draw(st.integers(1, 3))
+    break_at = tuple(draw(st.sampled_from((None,) + BREAK_PLACES)) for _ in range(depth))
+    tie = None
+    if depth >= 2 and draw(st.booleans()):
+        source = draw(st.integers(0, depth - 2))
+        tie = (source, draw(st.integers(source + 1, depth - 1)))
+    frozen = draw(st.one_of(st.none(), st.integers(0, depth - 1)))
+    return ModelSpec(depth, break_at, tie, frozen, draw(st.booleans()))
+
+
+@st.composite
+def option_sets(draw, nvme_path: str) -> dict:
+    stage = draw(st.sampled_from([0, 1, 2, 3]))
+    options = {"stage": stage, "lower": "eager", "nvme_path": nvme_path}
+    if stage >= 1:
+        options["offload_optimizer"] = draw(st.sampled_from(["none", "cpu", "nvme"]))
+    if stage == 3:
+        options["offload_param"] = draw(st.sampled_from(["none", "cpu", "nvme"]))
+        if draw(st.booleans()):
+            options.update(tile_threshold=256, tile_factor=2)  # every fc weight (512 bytes) in 2 tiles
+    return options
+
+
+def input_shapes(draw_from=st.integers) -> st.SearchStrategy:
+    return st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=2, max_size=3)
+
+
+@given(spec=model_specs(), data=st.data(), instances=st.integers(1, 3), shapes=input_shapes())
+def test_drawn_models_train_like_eager(spec, data, instances, shapes, tmp_path_factory):
+    nvme_path = str(tmp_path_factory.mktemp("swap"))
+    options = data.draw(option_sets(nvme_path))
+    torch._dynamo.reset()
+    pairs = []
+    # Adam where the optimizer state is on NVMe (zinf streams only Adam/AdamW from disk);
+    # eps as in tests/equivalence.py, fused as zinf's inner optimizer.
+    optimizer = ({"optimizer": "Adam", "lr": 1e-2, "eps": 1e-6, "fused": True}
+                 if options.get("offload_optimizer") == "nvme" else {"optimizer": "SGD"})
+    for seed in range(instances):
+        torch.manual_seed(seed)
+        pairs.append(Pair(GrammarModel(spec), options, **optimizer))
+    generator = torch.Generator().manual_seed(len(shapes))
+    batches = [torch.randn(rows, length, WIDTH, generator=generator) for rows, length in shapes]
+    losses = train_interleaved(pairs, batches, steps=len(batches))
+    for index, (pair, pair_losses) in enumerate(zip(pairs, losses)):
+        pair.assert_equal(pair_losses, f"instance {index} of {spec}, {options}, shapes {shapes}")
+        for (name, eager_buffer), (_, zinf_buffer) in zip(pair.eager.named_buffers(), pair.zinf_model.named_buffers()):
+            torch.testing.assert_close(zinf_buffer, eager_buffer, msg=f"buffer {name}")
