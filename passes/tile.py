@@ -394,6 +394,9 @@ class _Rewriter:
             grad = grads[index]
             if not isinstance(grad, torch.fx.Node) or grad.op == "placeholder":
                 continue
+            # Slices cached so far were emitted at other places (a later matmul's rewrite,
+            # another gradient's split): reusing one here could read it before it exists.
+            self.slices = {}
             # Each tile gradient is computed where the whole one was, one after the other
             # (inserting_after(grad) would put successive nodes in reverse order).
             with self.graph.inserting_before(grad.next):

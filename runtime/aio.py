@@ -17,12 +17,16 @@ class with the same interface, chosen at runtime where the kernel and
 liburing allow it.
 
 Files.  ``AioEngine(folder)`` makes a private folder (mode 0700)
-``zinf-swap-<pid>-<random>`` under ``folder`` (the user's ``nvme_path``);
+``zinf-swap-<pid>-<owner>-<random>`` under ``folder`` (the user's
+``nvme_path``), where ``<owner>`` identifies the process beyond its pid (its
+start time, pid namespace, boot and host; see :func:`remove_stale_folders`);
 each key is one file in it (mode 0600), opened with ``O_DIRECT`` so the page
 cache is bypassed.  A filesystem that refuses ``O_DIRECT`` (tmpfs) gets
 buffered I/O with ``posix_fadvise(DONTNEED)`` instead; ``engine.direct``
 says which.  The folder is removed by ``close()``, when the engine is
-garbage collected, and at interpreter exit (never by a forked child).
+garbage collected, and at interpreter exit (never by a forked child).  A
+killed process removes nothing, so each new engine first removes the
+folders under ``folder`` left by processes that no longer exist.
 Swap files are scratch for this process: nothing is fsync-ed.
 
 Alignment.  ``O_DIRECT`` needs 4096-aligned memory, offsets and sizes, so
@@ -31,16 +35,22 @@ hold ``ceil(nbytes / 4096) * 4096`` bytes and start at an aligned address.
 :class:`~zinf_compiler.runtime.pinned.PinnedPool` blocks satisfy both.
 A read fills the padding too.
 
-No partial state is taken as good.  Each key's file holds two slots; a
-write goes to the slot that does not hold the key's last good copy, and the
-key's metadata (slot, size, checksums) switches to it only when every piece
-has been written.  A failed write (ENOSPC, EIO, ...) therefore leaves the
-previous copy readable.  Inside ``with engine.transaction():`` the switches
-happen together at the end of the block, and only if it ends without an
-error and every write in it succeeded: an optimizer step that fails half
-way leaves every key at the previous step.  Writes of one key are
-serialized (a second write waits for the first); reads see the newest
-completed write (inside a transaction: including its own writes).
+No partial state is taken as good.  With ``copies=2`` (the option
+``nvme_copies``, default) each key's file holds two slots; a write goes to
+the slot that does not hold the key's last good copy, and the key's metadata
+(slot, size, checksums) switches to it only when every piece has been
+written.  A failed write (ENOSPC, EIO, ...) therefore leaves the previous
+copy readable.  Inside ``with engine.transaction():`` the switches happen
+together at the end of the block, and only if it ends without an error and
+every write in it succeeded: an optimizer step that fails half way leaves
+every key at the previous step.  With ``copies=1`` a write overwrites the
+only copy in place, so a failed write (or an aborted transaction) leaves the
+key *lost*: reading it raises, naming why, until a later write completes.
+Writes of one key are serialized (a second write waits for the first); reads
+see the newest completed write (inside a transaction: including its own
+writes).  A full disk often takes part of a write before it refuses the
+rest: the rest is retried, so the error is the disk's ENOSPC, not a short
+write.
 
 Checksums.  Every write records, per piece, a 64-bit checksum of the bytes
 written: the 4096-byte sectors' sums of 64-bit words, weighted by the
@@ -60,9 +70,13 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import logging
 import mmap
 import os
+import re
 import shutil
+import socket
+import stat
 import tempfile
 import threading
 import time
@@ -74,6 +88,8 @@ import numpy as np
 
 from .trace import TRACER
 from .trace import now as trace_now
+
+log = logging.getLogger("zinf")
 
 ALIGNMENT = 4096
 _SECTOR_WORDS = ALIGNMENT // 8
@@ -178,15 +194,17 @@ class _Key:
 class _Transaction:
     def __init__(self):
         self.pending: dict[str, _Copy] = {}
+        self.written: set[str] = set()  # every key a write was started for
         self.open_writes = 0
         self.failure: AioError | None = None
         self.state = "open"  # open | committed | aborted
 
 
 class _State:
-    def __init__(self, folder: str, direct: bool, block_size: int, queue_depth: int):
+    def __init__(self, folder: str, direct: bool, block_size: int, queue_depth: int, copies: int):
         self.folder = folder
         self.direct = direct
+        self.copies = copies
         self.block_size = block_size
         self.queue_depth = queue_depth
         self.owner_pid = os.getpid()
@@ -221,7 +239,7 @@ class _State:
                 fd = os.open(key.path, flags, 0o600)
                 os.fchmod(fd, 0o600)  # whatever the umask
             except OSError as err:
-                raise _io_error("open", key, self.folder, 0, 0, err) from err
+                raise _io_error("open", key, self, 0, 0, err) from err
             key.fd = fd
             self.open_files[key.name] = key
         self.open_files.move_to_end(key.name)
@@ -242,7 +260,11 @@ def _trace_track(kind: str, key: str) -> str:
 
 
 class AioRequest:
-    """An in-flight read or write: ``wait()`` to finish it (raises on failure), ``done()`` to poll."""
+    """An in-flight read or write: ``wait()`` to finish it (raises on failure), ``done()`` to poll.
+
+    ``in_transaction``: a write started inside ``engine.transaction()``, whose
+    failure the transaction raises again when it ends (and commits nothing).
+    """
 
     def __init__(self, state: _State, kind: str, key: _Key, view: memoryview, nbytes: int, file_offset: int,
                  expected: np.ndarray | None, on_finish):
@@ -260,6 +282,8 @@ class AioRequest:
         self._next_piece = 0
         self._outstanding = 0
         self.error: AioError | None = None
+        # A write inside engine.transaction(): its failure also fails the transaction when it ends.
+        self.in_transaction = False
         self._event = threading.Event()
         self._submitted = trace_now()
 
@@ -333,9 +357,7 @@ class AioRequest:
         try:
             if self.kind == "write":
                 self._digests[index] = _digest(piece, start // ALIGNMENT)
-                done = os.pwritev(fd, [piece], file_offset)
-                if done != size:
-                    raise OSError(errno.EIO, f"short write: {done} of {size} bytes")
+                _write_all(fd, piece, file_offset, self._state)
             else:
                 done = os.preadv(fd, [piece], file_offset)
                 if done != size:
@@ -343,7 +365,7 @@ class AioRequest:
             if not self._state.direct:
                 os.posix_fadvise(fd, file_offset, size, os.POSIX_FADV_DONTNEED)
         except OSError as err:
-            return _io_error(self.kind, self._key, self._state.folder, self.nbytes, file_offset, err)
+            return _io_error(self.kind, self._key, self._state, self.nbytes, file_offset, err)
         if self.kind == "read" and _digest(piece, start // ALIGNMENT) != int(self._digests[index]):
             return AioChecksumError(
                 f"NVMe swap file {self._key.path} for {self.key!r} is corrupt: bytes {start:,}-{start + size - 1:,} "
@@ -354,25 +376,81 @@ class AioRequest:
         return None
 
 
-def _io_error(kind: str, key: _Key, folder: str, nbytes: int, file_offset: int, err: OSError) -> AioError:
+def _free_bytes(folder: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of ``folder`` (None: unknown)."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _write_all(fd: int, piece: memoryview, file_offset: int, state: _State) -> None:
+    """Write all of ``piece`` at ``file_offset``, raising ``OSError`` if the disk takes only part of it.
+
+    A filesystem running out of space typically accepts part of a write
+    (``pwritev`` returns a short count) and refuses the next one with ENOSPC;
+    retrying the rest turns the short count into that error.  Under
+    ``O_DIRECT`` the retry starts at the last 4096-aligned byte written (an
+    unaligned offset would be refused with EINVAL), rewriting a few bytes.
+    """
+    size = len(piece)
+    done = 0
+    while done < size:
+        written = os.pwritev(fd, [piece[done:]], file_offset + done)
+        progress = done + max(written, 0)
+        if state.direct:
+            progress -= progress % ALIGNMENT
+        if progress <= done:
+            # No progress and no error from the kernel: judge by the free space.
+            free = _free_bytes(state.folder)
+            if free is not None and free < size - done:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(errno.EIO, f"short write: {done + max(written, 0)} of {size} bytes, and retrying the "
+                                     f"rest made no progress")
+        done = progress
+
+
+def _outcome(kind: str, key: _Key, state: _State) -> str:
+    """What a failed ``kind`` transfer of ``key`` left behind, true for nvme_copies 1 and 2."""
+    if kind == "read":
+        return "the data was not used."
+    if state.copies == 2:
+        if key.committed is not None:
+            return (f"The last good copy of {key.name!r} is kept (nvme_copies=2 keeps two copies of each key), "
+                    f"so the state from before this write is still readable.")
+        return f"{key.name!r} had no earlier copy: it stays unwritten, nothing older is lost."
+    if key.lost is not None:
+        return (f"{key.name!r} had one copy (nvme_copies=1) and it is lost: it was being overwritten in place, so "
+                f"the state it belongs to is unusable until {key.name!r} is written again in full (nvme_copies=2 "
+                f"keeps the last good copy through a failed write).")
+    return f"{key.name!r} had no earlier copy (nvme_copies=1): it stays unwritten."
+
+
+def _io_error(kind: str, key: _Key, state: _State, nbytes: int, file_offset: int, err: OSError) -> AioError:
     name = errno.errorcode.get(err.errno, str(err.errno)) if err.errno else type(err).__name__
     padded = _round_up(nbytes, ALIGNMENT)
-    if key.lost is None:
-        kept = f"The last good copy of {key.name!r} is kept (each key keeps two copies);"
-    else:
-        kept = f"{key.name!r} had one copy (nvme_copies=1) and it is lost: the swap state is unusable;"
-    if err.errno == errno.ENOSPC:
+    root = os.path.dirname(state.folder)
+    outcome = _outcome(kind, key, state)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = f"the write needed {padded:,} bytes" if kind == "write" else f"creating {key.path} needed space"
+        if err.errno == errno.ENOSPC:
+            cause = f"no space left on device (ENOSPC): the disk under nvme_path ({root}) is full"
+            free = _free_bytes(state.folder)
+            if free is not None:
+                what += f", {free:,} bytes are free there now"
+                if free >= padded:
+                    what += " (its inodes may be used up, or its last blocks reserved for root)"
+        else:
+            cause = f"disk quota exceeded (EDQUOT): this user's quota on the disk under nvme_path ({root}) is used up"
         return AioError(
             f"NVMe swap {kind} of {key.name!r} ({human_bytes(nbytes)}, {padded:,} bytes on disk) to {key.path} "
-            f"failed: the disk under nvme_path ({os.path.dirname(folder)}) is full (ENOSPC); the write needed "
-            f"{padded:,} bytes. {kept} "
-            f"free space there or point nvme_path at a bigger disk"
+            f"failed: {cause}; {what}. {outcome} Free space there or point nvme_path at a bigger disk."
         )
     where = "to" if kind == "write" else "from" if kind == "read" else "of"
-    outcome = {"write": kept, "read": "the data was not used"}.get(kind, "")
     return AioError(
         f"NVMe swap {kind} of {key.name!r} ({human_bytes(nbytes)}) {where} {key.path} at file offset "
-        f"{file_offset:,} failed: {name} ({err.strerror or err}){'; ' + outcome if outcome else ''}"
+        f"{file_offset:,} failed: {name} ({err.strerror or err}); {outcome}"
     )
 
 
@@ -431,6 +509,158 @@ def _shutdown(state: _State) -> None:
                 key.fd = None
         state.open_files.clear()
     shutil.rmtree(state.folder, ignore_errors=True)
+
+
+# --- swap folders left by killed runs ---------------------------------------------------
+# A process killed by SIGKILL or the OOM killer (or a crashed node) never runs
+# its finalizer, so its swap folder, possibly hundreds of GiB, would stay under
+# nvme_path forever.  Each folder's name says whose it is, so a later engine can
+# tell a dead owner's folder from a live one's without any lock file.
+
+_FOLDER_NAME = re.compile(
+    r"zinf-swap-(?P<pid>\d+)-"
+    r"(?:(?P<start>\d+)\.(?P<pidns>\d+)\.(?P<boot>[0-9a-f]{8})\.(?P<host>[0-9a-f]{8})-)?"
+    r"[a-z0-9_]{8}"  # tempfile.mkdtemp's random part
+)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22).
+
+    None: no such process (or no /proc).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    # Field 2 (the command name, in parentheses) may itself hold spaces and parentheses.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def _start_seconds(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (None: no such process, or no /proc)."""
+    ticks = _start_ticks(pid)
+    if ticks is None:
+        return None
+    try:
+        with open("/proc/stat") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _owner_tag() -> str | None:
+    """``<start ticks>.<pid namespace>.<boot id>.<host>`` of this process, for its folder's name (None: no /proc).
+
+    The pid alone does not identify a process: pids are reused, mean nothing
+    in another pid namespace (a container) and nothing after a reboot or on
+    another machine sharing the disk.  With the start time, namespace, boot id
+    and host hash, :func:`remove_stale_folders` can tell all of these apart.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as handle:
+            own_pid = int(handle.read().split(b" ", 1)[0])
+        # A /proc of another pid namespace (a container seeing the host's) would
+        # describe other processes under our pids: then nothing can be judged.
+        start = _start_ticks(os.getpid()) if own_pid == os.getpid() else None
+        namespace = re.fullmatch(r"pid:\[(\d+)\]", os.readlink("/proc/self/ns/pid"))
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip().replace("-", "")[:8]
+    except (OSError, ValueError, IndexError):
+        return None
+    if start is None or namespace is None or not re.fullmatch(r"[0-9a-f]{8}", boot):
+        return None
+    host = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    return f"{start}.{namespace.group(1)}.{boot}.{host}"
+
+
+def _stale_reason(match: re.Match, info: os.stat_result, mine: list[str]) -> str | None:
+    """Why the folder named by ``match`` belongs to no live process (None: it may, so it stays)."""
+    pid = int(match["pid"])
+    _, my_namespace, my_boot, my_host = mine
+    if match["start"] is not None:
+        if match["host"] != my_host:
+            return None  # another machine sharing this disk: its processes cannot be seen from here
+        if match["boot"] != my_boot:
+            return "made before this machine last booted"
+        if match["pidns"] != my_namespace:
+            return None  # another pid namespace (a container): its pids mean other processes here
+        started = _start_ticks(pid)
+        if started is None:
+            return f"process {pid} has exited"
+        if started != int(match["start"]):
+            return f"process {pid} has exited and its pid was reused"
+        return None
+    # Made before folder names carried the owner: judged by the pid and times alone.
+    started = _start_seconds(pid)
+    if started is None:
+        return f"process {pid} has exited"
+    # The owner started before it made the folder, and the folder's mtime is
+    # no earlier than that; a process that started later reuses the pid.  2 s
+    # of slack: the boot time in /proc/stat has whole seconds.
+    if started > info.st_mtime + 2.0:
+        return f"process {pid} has exited and its pid was reused by a process that started after the folder was made"
+    return None
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total
+
+
+def remove_stale_folders(root: str) -> list[str]:
+    """Remove the swap folders under ``root`` whose process no longer exists; return what was removed.
+
+    Only folders named ``zinf-swap-<pid>-...``, owned by this user, are
+    considered.  One whose name carries its owner (start time, pid namespace,
+    boot, host; see :func:`_owner_tag`) is stale when it was made before the
+    last boot, or when ``<pid>`` is gone or is now a different process (its
+    start time differs).  One of another host or pid namespace is never
+    removed: whether its process lives cannot be seen from here.  One without
+    the owner (made by an older zinf) is stale when ``<pid>`` is gone or
+    started after the folder last changed.  A live process's folder is never
+    removed.  Logs a warning naming each folder removed.
+    """
+    mine = _owner_tag()
+    if mine is None:
+        return []  # no /proc: nothing can be judged, nothing is removed
+    mine_fields = mine.split(".")
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        match = _FOLDER_NAME.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        reason = _stale_reason(match, info, mine_fields)
+        if reason is None:
+            continue
+        size = _tree_bytes(entry.path)
+        shutil.rmtree(entry.path, ignore_errors=True)  # another engine may be removing it at the same time
+        if os.path.lexists(entry.path):
+            log.warning("zinf: could not remove the stale swap folder %s (%s) under nvme_path; remove it by hand",
+                        entry.path, reason)
+            continue
+        removed.append(f"{entry.path} ({reason}; {human_bytes(size)})")
+    if removed:
+        log.warning("zinf: removed %d swap folder(s) under nvme_path %s left by runs that did not exit cleanly: %s",
+                    len(removed), root, "; ".join(removed))
+    return removed
 
 
 def _probe_direct(folder: str) -> bool:
@@ -506,14 +736,17 @@ class AioEngine:
         self.block_size = _round_up(block_size, ALIGNMENT)
         self.queue_depth = queue_depth
         self.threads = threads
-        self.folder = tempfile.mkdtemp(prefix=f"zinf-swap-{os.getpid()}-", dir=folder)
+        remove_stale_folders(folder)
+        owner = _owner_tag()
+        prefix = f"zinf-swap-{os.getpid()}-" + (f"{owner}-" if owner is not None else "")
+        self.folder = tempfile.mkdtemp(prefix=prefix, dir=folder)
         try:
             os.chmod(self.folder, 0o700)
             self.direct = _probe_direct(self.folder)
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
-        self._state = _State(self.folder, self.direct, self.block_size, queue_depth)
+        self._state = _State(self.folder, self.direct, self.block_size, queue_depth, copies)
         # Registered before the threads start, so an error below still removes the folder.
         self._finalizer = weakref.finalize(self, _finalize, self._state)
         for index in range(threads):
@@ -611,8 +844,9 @@ class AioEngine:
                 # (and its transaction) completes, the key has no good copy.
                 if entry.committed is not None:
                     entry.committed = None
-                    entry.lost = (f"its only copy was being overwritten (nvme_copies=1) when the write "
-                                  f"failed or its transaction was aborted")
+                    entry.lost = ("its only copy was being overwritten in place (nvme_copies=1) when the write "
+                                  "failed or its transaction was aborted, so the state it belongs to is unusable "
+                                  "(nvme_copies=2 keeps the last good copy through a failed write)")
             region = entry.regions[target]
             if region is None or region[1] < padded:
                 # First write, or the key grew: a new region at the end of the file.
@@ -623,6 +857,7 @@ class AioEngine:
             transaction = state.transaction
             if transaction is not None:
                 transaction.pending.pop(key, None)  # that copy's slot is being overwritten
+                transaction.written.add(key)
                 transaction.open_writes += 1
 
             def on_finish(request: AioRequest) -> None:
@@ -643,6 +878,7 @@ class AioEngine:
                 state.bytes_written += nbytes
 
             request = AioRequest(state, "write", entry, view, nbytes, region[0], None, on_finish)
+            request.in_transaction = transaction is not None
             request._submit()
         return request
 
@@ -664,9 +900,8 @@ class AioEngine:
             copy = copy or (entry.committed if entry is not None else None)
             if copy is None:
                 if entry is not None and entry.lost is not None:
-                    raise AioError(f"NVMe swap read of {key!r}: the key has no good copy: {entry.lost}; "
-                                   f"the state in {self.folder} is unusable (nvme_copies=2 keeps the last good "
-                                   f"copy through a failed write)")
+                    raise AioError(f"NVMe swap read of {key!r} (in {self.folder}): the key has no good copy: "
+                                   f"{entry.lost}")
                 raise AioError(f"NVMe swap read of {key!r}: no write of this key has completed")
             if nbytes is None:
                 nbytes = copy.nbytes
@@ -692,11 +927,14 @@ class AioEngine:
         """Writes inside become the keys' good copies together, when the block ends without an error.
 
         An optimizer step writes many keys; if one write fails (ENOSPC), every
-        key keeps its copy from before the step, so the state on disk is the
-        last good step, never a mix.  Leaving the block waits for the writes
-        started in it; if any failed (even one whose error the block caught),
-        nothing is committed and :class:`AioError` is raised.  Inside, reads
-        see the block's completed writes.  One transaction per engine at a time.
+        key keeps its copy from before the step (copies=2), so the state on disk
+        is the last good step, never a mix; with copies=1 the keys the block
+        overwrote are lost instead (reads raise), never taken as good.  Leaving
+        the block waits for the writes started in it; if any failed (even one
+        whose error the block caught), nothing is committed and
+        :class:`AioError` is raised, saying which of the two happened.  Inside,
+        reads see the block's completed writes.  One transaction per engine at
+        a time.
         """
         state = self._state
         with state.lock:
@@ -717,12 +955,42 @@ class AioEngine:
                         state.changed.wait()
                     if transaction.failure is not None:
                         transaction.state = "aborted"
-                        raise AioError(f"swap transaction not committed, every key keeps its previous copy: "
+                        raise AioError(f"swap transaction not committed, {self._abort_outcome(transaction)}: "
                                        f"{transaction.failure}") from transaction.failure
                     for key, copy in transaction.pending.items():
                         state.keys[key].committed = copy
                         state.keys[key].lost = None
                     transaction.state = "committed"
+
+    def _abort_outcome(self, transaction: _Transaction) -> str:
+        """What an aborted transaction left, true for nvme_copies 1 and 2 (lock held)."""
+        if self.copies == 2:
+            return "every key keeps its copy from before it (nvme_copies=2; a key first written in it stays unwritten)"
+        lost = sorted(key for key in transaction.written
+                      if key in self._state.keys and self._state.keys[key].lost is not None)
+        if not lost:
+            return "no key lost a copy (the keys it wrote had none yet)"
+        shown = ", ".join(repr(key) for key in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        return (f"{len(lost)} key(s) it overwrote in place lost their only copy (nvme_copies=1): {shown}; the state "
+                f"they belong to is unusable (nvme_copies=2 keeps the last good copy through a failed write)")
+
+    def invalidate(self, key: str, reason: str) -> None:
+        """Make ``key`` unreadable until its next complete write; reads raise :class:`AioError` giving ``reason``.
+
+        For a key whose good copy is out of date, e.g. a parameter whose
+        optimizer step was applied but whose rewrite failed: reading the old
+        copy would mix states.  Waits for a write of the key in flight.
+        """
+        state = self._state
+        with state.lock:
+            entry = self._key(key)
+            while entry.writing:
+                state.changed.wait()
+                entry = self._key(key)
+            entry.committed = None
+            entry.lost = reason
+            if state.transaction is not None:
+                state.transaction.pending.pop(key, None)
 
     def forget(self, key: str) -> None:
         """Drop ``key`` and delete its file (after its in-flight transfers finish)."""

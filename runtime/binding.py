@@ -61,6 +61,11 @@ def current() -> Binding:
     return binding
 
 
+def active() -> bool:
+    """Whether a zinf graph is running on this thread (its ops may touch resting parameters)."""
+    return getattr(_local, "binding", None) is not None
+
+
 @contextlib.contextmanager
 def bound(binding: Binding) -> Iterator[None]:
     """Make ``binding`` current on this thread for the block (nests)."""

@@ -10,6 +10,7 @@ which ZeRO's traffic is usually stated (stage 1/2: 2x params, stage 3: 3x).
 from __future__ import annotations
 
 import collections
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -25,12 +26,22 @@ class _DoneWork:
         return True
 
 
-class _TracedWork:
-    """A collective's handle whose completion lands on a trace track and whose wait counts as a stall."""
+class ZinfCollectiveTimeout(RuntimeError):
+    """A collective did not complete within ``collective_timeout``: some rank did not make the same call."""
 
-    def __init__(self, work, track: str, nbytes: int):
+
+class _TracedWork:
+    """A collective's handle whose completion lands on a trace track and whose wait counts as a stall.
+
+    ``wait()`` gives up after ``timeout`` seconds (None: the process group's
+    own) with :class:`ZinfCollectiveTimeout` naming ``what``.
+    """
+
+    def __init__(self, work, track: str, nbytes: int, what: str = "", timeout: float | None = None):
         self._work = work
         self._track = track
+        self._what = what or track
+        self._timeout = timeout
         if TRACER.recording:
             started = now()
             try:
@@ -41,13 +52,33 @@ class _TracedWork:
 
     def wait(self) -> bool:
         with TRACER.stall(f"wait {self._track}"):
-            return self._work.wait()
+            if self._timeout is None:
+                return self._work.wait()
+            try:
+                return self._work.wait(timeout=datetime.timedelta(seconds=self._timeout))
+            except RuntimeError as err:
+                if "timed out" not in str(err).lower():
+                    raise
+                raise ZinfCollectiveTimeout(
+                    f"{self._what} did not complete on all {dist.get_world_size()} ranks within "
+                    f"collective_timeout={self._timeout:g} s (rank {dist.get_rank()} waited): a rank did not make "
+                    f"the same call. Every rank must run the same compiled graphs and call zinf's collective "
+                    f"helpers (full_state_dict, clip_grad_norm_, optimizer steps) together; raise the option "
+                    f"collective_timeout if a rank is just slow") from err
 
 
 class Comm:
     def __init__(self) -> None:
         self.traffic_bytes: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
+        # Seconds a collective may wait for the other ranks (option collective_timeout).
+        self.timeout: float | None = 600.0
+
+    def _work(self, work, track: str, nbytes: int, what: str) -> _TracedWork:
+        # NCCL waits are stream orderings with the process group's own watchdog timeout; a
+        # host-side timeout would block the host, so only gloo waits are bounded here.
+        timeout = None if dist.get_backend() == "nccl" else self.timeout
+        return _TracedWork(work, track, nbytes, what, timeout)
 
     @property
     def initialized(self) -> bool:
@@ -69,49 +100,52 @@ class Comm:
         self.traffic_bytes.clear()
         self.calls.clear()
 
-    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor):
+    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all_gather"):
         """Start gathering every rank's equal-size ``shard`` into ``output``; returns a handle."""
         nbytes = output.numel() * output.element_size()
         self._count("all_gather", nbytes)
         if self.world_size == 1:
             return COPIER.copy(output, shard, "gg", "gather (local copy)")
-        return _TracedWork(dist.all_gather_into_tensor(output, shard, async_op=True), "gg", nbytes)
+        return self._work(dist.all_gather_into_tensor(output, shard, async_op=True), "gg", nbytes, what)
 
-    def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor):
+    def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter"):
         """Start averaging ``full`` over ranks, this rank keeping its slice in ``output``."""
         nbytes = full.numel() * full.element_size()
         self._count("reduce_scatter", nbytes)
         if self.world_size == 1:
             return COPIER.copy(output, full, "rs", "reduce (local copy)")
-        return _TracedWork(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes)
+        return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes,
+                          what)
 
     def all_reduce_avg(self, tensor: torch.Tensor):
         """Start averaging ``tensor`` in place over ranks."""
-        self._count("all_reduce", 2 * tensor.numel() * tensor.element_size())
+        nbytes = 2 * tensor.numel() * tensor.element_size()
+        self._count("all_reduce", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+        return self._work(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes,
+                          "all_reduce of a gradient (stage 0)")
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str = "all_reduce") -> None:
         """Sum ``tensor`` in place over ranks (small scalars such as norms)."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), "rs", 0, what).wait()
 
-    def broadcast(self, tensor: torch.Tensor, src: int):
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast"):
         """Start sending ``tensor`` from rank ``src`` to every rank, in place."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("broadcast", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return _TracedWork(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes)
+        return self._work(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes, what)
 
-    def reduce_sum(self, tensor: torch.Tensor, dst: int):
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "reduce"):
         """Start summing ``tensor`` over ranks into rank ``dst``'s copy."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("reduce", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return _TracedWork(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True), "rs", nbytes)
+        return self._work(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True), "rs", nbytes, what)
 
 
 COMM = Comm()

@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from .aio import AioError
+
 SUB_GROUP_NUMEL = 16 * 1024 * 1024  # 64 MiB of fp32 per state tensor per group
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -57,6 +59,7 @@ class NvmeAdam:
         self.store = store
         self.decoupled = decoupled_weight_decay
         self.steps: dict[int, int] = {}  # uid -> optimizer steps taken
+        self._shards_updated: list = []  # (record, group): in-memory shard slices the last step updated
         self.store_wait_seconds = 120.0
 
     def _start_reads(self, group: _Group, first_step: bool) -> None:
@@ -71,7 +74,15 @@ class NvmeAdam:
                 group.requests.append(engine.read(key, group.buffers[name], nbytes))
 
     def step(self, slots: list, hyper_by_slot: list[dict]) -> None:
-        """Update every slot (record with its gradient shard) with its param group's hyperparameters."""
+        """Update every slot (record with its gradient shard) with its param group's hyperparameters.
+
+        Run it inside a swap transaction (the optimizer does): if it raises,
+        nothing written is committed, and :meth:`restore_memory_shards` undoes
+        what it changed in memory.  Refuses (raises, having changed nothing)
+        when a gradient could not be written during backward.  Whatever
+        happens, every transfer it started has finished and every pinned
+        buffer is back in the pool when it returns or raises.
+        """
         plan = []
         for slot, hyper in zip(slots, hyper_by_slot):
             record = slot.record
@@ -79,50 +90,84 @@ class NvmeAdam:
                 continue
             for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
                 plan.append((_Group(record, index, start, stop), hyper))
+        self._shards_updated = []
         if not plan:
             return
-        self.store.finish_grad_writes()
+        self.store.finish_grad_writes([group.record for group, _ in plan])
         param_staging = {}  # uid -> PinnedBuffer holding the updated shard in compute dtype (nvme param tier)
-        pending_writes: list[tuple[_Group, list]] = []
-        self._start_reads(plan[0][0], self.steps.get(plan[0][0].record.uid, 0) == 0)
-        for position, (group, hyper) in enumerate(plan):
-            record = group.record
-            if position + 1 < len(plan):
-                upcoming = plan[position + 1][0]
-                self._start_reads(upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
-            for request in group.requests:
-                request.wait()
-            master, exp_avg, exp_avg_sq, grad = (group.buffers[name].tensor(torch.float32, group.numel)
-                                                 for name in STATE_NAMES + ("grad",))
-            if record.grad_multiplier != 1.0:
-                grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
-            step_count = self.steps.get(record.uid, 0) + 1
-            kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-            beta1, beta2 = hyper["betas"]
-            kernel([master], [grad], [exp_avg], [exp_avg_sq], [],
-                   [torch.tensor(float(step_count))], lr=float(hyper["lr"]), beta1=beta1, beta2=beta2,
-                   weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False)
-            writes = [record.swap.write(state_key(name, record.uid, group.index), group.buffers[name], group.numel * 4)
-                      for name in STATE_NAMES]
-            self._publish_group(record, group, master, param_staging)
-            # Drain the previous group's writes before its buffers go back to the pool.
-            for previous, previous_writes in pending_writes:
-                for request in previous_writes:
+        held: list[_Group] = []  # groups holding pool buffers, oldest first
+        overwriting = False  # a state write was started (nvme_copies=1: in place)
+        try:
+            held.append(plan[0][0])
+            self._start_reads(plan[0][0], self.steps.get(plan[0][0].record.uid, 0) == 0)
+            for position, (group, hyper) in enumerate(plan):
+                record = group.record
+                if position + 1 < len(plan):
+                    upcoming = plan[position + 1][0]
+                    held.append(upcoming)
+                    self._start_reads(upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
+                for request in group.requests:
                     request.wait()
-                for buffer in previous.buffers.values():
-                    buffer.release()
-            pending_writes = [(group, writes)]
-            if group.stop == record.local_numel:
-                self.steps[record.uid] = step_count
-        for previous, previous_writes in pending_writes:
-            for request in previous_writes:
-                request.wait()
-            for buffer in previous.buffers.values():
+                master, exp_avg, exp_avg_sq, grad = (group.buffers[name].tensor(torch.float32, group.numel)
+                                                     for name in STATE_NAMES + ("grad",))
+                if record.grad_multiplier != 1.0:
+                    grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
+                step_count = self.steps.get(record.uid, 0) + 1
+                kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+                beta1, beta2 = hyper["betas"]
+                kernel([master], [grad], [exp_avg], [exp_avg_sq], [],
+                       [torch.tensor(float(step_count))], lr=float(hyper["lr"]), beta1=beta1, beta2=beta2,
+                       weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False)
+                group.requests = []  # the reads are done; from here the group's writes
+                overwriting = True
+                for name in STATE_NAMES:
+                    key = state_key(name, record.uid, group.index)
+                    group.requests.append(record.swap.write(key, group.buffers[name], group.numel * 4))
+                self._publish_group(record, group, master, param_staging)
+                # Drain the previous groups' writes before their buffers go back to the pool.
+                while held[0] is not group:
+                    _settle(held.pop(0), raise_errors=True)
+                if group.stop == record.local_numel:
+                    self.steps[record.uid] = step_count
+            while held:
+                _settle(held.pop(0), raise_errors=True)
+        except AioError as err:
+            if overwriting and any(group.record.swap.copies == 1 for group, _ in plan):
+                outcome = ("The optimizer step was not applied, and with nvme_copies=1 the state it was "
+                           "overwriting in place is lost: training cannot go on from it (nvme_copies=2 keeps the "
+                           "last good step through a failed write).")
+            else:
+                outcome = ("The optimizer step was not applied: every NVMe swap file keeps the previous step. Once "
+                           "the cause is fixed, call opt.step() again (it steps from the same gradients) or "
+                           "opt.zero_grad() to skip this step.")
+            raise AioError(f"{err} {outcome}") from err
+        finally:
+            # After an error: transfers still in flight read from or write into
+            # these buffers, so they go back to the pool only once finished.
+            # Their errors are moot: the transaction commits none of this step.
+            while held:
+                _settle(held.pop(0), raise_errors=False)
+            for buffer in param_staging.values():
                 buffer.release()
+
+    def restore_memory_shards(self) -> None:
+        """After a failed :meth:`step` (its transaction aborted): undo its updates of in-memory shards.
+
+        A device or cpu parameter tier gets each stepped slice at once; the
+        masters on disk kept the previous step, and the shard is the master in
+        compute dtype, so each updated slice is rebuilt from the kept master.
+        With nvme_copies=1 the master may be lost too: the read then raises.
+        """
+        updated, self._shards_updated = self._shards_updated, []
+        for record, group in updated:
+            master = self.store._read_swap(record.swap, state_key("master", record.uid, group.index), torch.float32,
+                                           group.numel, torch.device("cpu"))
+            record.shard[group.start : group.stop].copy_(master)
 
     def _publish_group(self, record, group: _Group, master: torch.Tensor, param_staging: dict) -> None:
         """Hand the updated slice to the parameter tier (nvme: the whole shard at once, to each of its swap keys)."""
         if record.param_tier != "nvme":
+            self._shards_updated.append((record, group))
             record.shard[group.start : group.stop].copy_(master)
             return
         if record.uid not in param_staging:
@@ -133,8 +178,7 @@ class NvmeAdam:
         if group.stop == record.local_numel:
             buffer = param_staging.pop(record.uid)
             try:
-                for request in self.store._write_param(record, buffer):
-                    request.wait()
+                _wait_all(self.store._write_param(record, buffer), raise_errors=True)
             finally:
                 buffer.release()
 
@@ -145,3 +189,26 @@ class NvmeAdam:
         """
         return sum(2 * record.local_numel * 4 for record in records
                    if record.owns_state and self.steps.get(record.uid, 0) > 0)
+
+
+def _wait_all(requests: list, raise_errors: bool) -> None:
+    """Wait for every request (all of them, even after one fails); then raise the first failure if asked."""
+    failure = None
+    for request in requests:
+        try:
+            request.wait()
+        except Exception as err:  # AioError; anything else is as fatal and as moot here
+            failure = failure or err
+    if failure is not None and raise_errors:
+        raise failure
+
+
+def _settle(group: _Group, raise_errors: bool) -> None:
+    """Finish a group's transfers in flight, then give its buffers back to the pool."""
+    try:
+        _wait_all(group.requests, raise_errors)
+    finally:
+        group.requests = []
+        for buffer in group.buffers.values():
+            buffer.release()
+        group.buffers = {}

@@ -26,11 +26,12 @@ from typing import Iterable
 
 import torch
 
-from .aio import ALIGNMENT, AioEngine
+from .aio import ALIGNMENT, AioEngine, AioError
 from .comm import COMM, Comm
 from .copy_engine import COPIER
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
+from .resting import RestingParameter
 
 # A transfer waiting this long for pinned memory means the pool is too small
 # for what is in flight: an error naming pinned_bytes beats a hang.
@@ -104,6 +105,11 @@ class ParamRecord:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")  # the compute device (where gathered parameters live)
     full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
+    _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
+
+    @property
+    def ledger(self) -> "Ledger":
+        return self._ledger.root()
 
     @property
     def param(self) -> torch.nn.Parameter:
@@ -193,6 +199,73 @@ class ParamRecord:
         return layout
 
 
+_UNSET = object()
+
+
+class Ledger:
+    """Bytes one model holds per tier, resting (shards, gradients, optimizer state) and transient
+    (gathered or in flight), their peaks since :meth:`reset_peak`, and its device budget."""
+
+    def __init__(self, device_memory_limit: int | None = None):
+        self.resting = {"device": 0, "cpu": 0}
+        self.transient = {"device": 0, "cpu": 0}
+        self.peak = {"device": 0, "cpu": 0}
+        self.peak_transient = {"device": 0, "cpu": 0}
+        # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
+        self.device_memory_limit = device_memory_limit
+        self.merged_into: Ledger | None = None
+
+    def root(self) -> "Ledger":
+        ledger = self
+        while ledger.merged_into is not None:
+            ledger = ledger.merged_into
+        return ledger
+
+    def add_resting(self, tier: str, delta: int) -> None:
+        self.resting[tier] += delta
+        self._note_peak(tier)
+
+    def add_transient(self, tier: str, delta: int, what: str | None = None) -> None:
+        limit = self.device_memory_limit
+        if tier == "device" and delta > 0 and limit is not None and self.transient[tier] + delta > limit:
+            raise ZinfBudgetError(
+                f"device_memory_limit exceeded: {what or 'a transfer'} needs {delta:,} bytes on the device while "
+                f"{self.transient[tier]:,} bytes are already gathered or in flight ({self.transient[tier] + delta:,} "
+                f"> device_memory_limit={limit:,}); raise device_memory_limit, let the tile pass split the op "
+                f"(a lower tile_threshold, a larger tile_factor or tile_factor='auto'), or lower max_live_bytes"
+            )
+        self.transient[tier] += delta
+        self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
+        self._note_peak(tier)
+
+    def _note_peak(self, tier: str) -> None:
+        self.peak[tier] = max(self.peak[tier], self.resting[tier] + self.transient[tier])
+
+    def reset_peak(self) -> None:
+        for tier in self.peak:
+            self.peak[tier] = self.resting[tier] + self.transient[tier]
+            self.peak_transient[tier] = self.transient[tier]
+
+
+def _merge(ledgers: list) -> Ledger:
+    """One ledger for all of ``ledgers`` (their roots): the first absorbs the others' figures."""
+    roots = []
+    for ledger in ledgers:
+        root = ledger.root()
+        if all(root is not seen for seen in roots):
+            roots.append(root)
+    target = roots[0]
+    for other in roots[1:]:
+        for figures in ("resting", "transient", "peak", "peak_transient"):
+            mine, theirs = getattr(target, figures), getattr(other, figures)
+            for tier in mine:
+                mine[tier] += theirs[tier]
+        limits = [limit for limit in (target.device_memory_limit, other.device_memory_limit) if limit is not None]
+        target.device_memory_limit = min(limits) if limits else None
+        other.merged_into = target
+    return target
+
+
 class _ParamRef(weakref.ref):
     """A weak reference to an adopted parameter that carries its uid."""
 
@@ -223,15 +296,16 @@ class ParamStore:
         self.pinned: PinnedPool | None = None
         self._offload_settings: dict = {}
         self._largest_shard_numel = 0  # of every parameter planned for offload (sizes the pinned pool)
-        self._grad_writes: list = []  # in-flight gradient swap writes: (request, pinned buffer)
-        # Bytes held per tier: resting state (shards, grads, optimizer state)
-        # and transient (gathered parameters, in-flight buffers), with peaks.
-        self.resting = {"device": 0, "cpu": 0}
-        self.transient = {"device": 0, "cpu": 0}
-        self.peak = {"device": 0, "cpu": 0}
-        self.peak_transient = {"device": 0, "cpu": 0}
-        # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
-        self.device_memory_limit: int | None = None
+        self._grad_writes: list = []  # in-flight gradient swap writes: (request, pinned buffer, record)
+        # uid -> why its gradient in the swap files is incomplete (a failed write or
+        # read); the step refuses it until drop_grads (opt.zero_grad()) discards it.
+        self._lost_grads: dict[int, BaseException] = {}
+        # Bytes held per tier, for the whole process (every model and the pinned
+        # pool); each model has its own Ledger too (ParamRecord.ledger).
+        self.process = Ledger()
+        # id(param) -> (weak ref, ledger) for parameters grouped before adoption (see group).
+        self._pending_ledgers: dict[int, tuple] = {}
+        self._dropped_pending: queue.SimpleQueue = queue.SimpleQueue()
         self._nvme_sampled = (0.0, 0)  # (when, bytes) of the trace's last swap-folder scan
         self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
 
@@ -348,7 +422,7 @@ class ParamStore:
 
     def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
               param_tier: str = "device", opt_tier: str = "device",
-              tile_rows: tuple[int, ...] | None = None) -> ParamRecord:
+              tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
@@ -356,6 +430,8 @@ class ParamStore:
         rows per tile of a parameter the ``tile`` pass splits (laid out
         tile-major, see :class:`ParamRecord`); a parameter adopted before keeps
         its first layout (read it back from the record's ``tile_rows``).
+        ``ledger``: the model whose bytes it counts in (default: the group it
+        was put in by :meth:`group`, else a ledger of its own).
 
         The store holds the parameter only weakly: when it is garbage-collected
         (its model and optimizer dropped), its shards, gradients, swap files and
@@ -391,36 +467,29 @@ class ParamStore:
             full = param.detach()
             if world_size > 1:
                 # Like DDP: every rank starts from rank 0's values.
-                self.comm.broadcast(full, src=0).wait()
+                self.comm.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)").wait()
             flat = full.reshape(-1)
             owner = None
             if partition == "broadcast":
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + flat.numel()
-                local = flat.to(holding_dtype, copy=True) if rank == owner else flat.new_empty(0, dtype=holding_dtype)
-            elif tile_rows is not None:
-                local = _tile_major_slice(flat, tile_rows, world_size, rank, tile_align)
-            else:
-                shard_numel = -(-flat.numel() // world_size)
-                local = torch.zeros(shard_numel, dtype=holding_dtype, device=flat.device)
-                start = rank * shard_numel
-                stop = min(start + shard_numel, flat.numel())
-                if stop > start:
-                    local[: stop - start].copy_(flat[start:stop])
+            local = _local_slice(flat, holding_dtype, partition, owner, tile_rows, world_size, rank, tile_align)
             uid = next(self._uids)
             record = ParamRecord(uid=uid, name=name, param_ref=weakref.ref(param), stage=stage,
                                  partition=partition, compute_dtype=compute_dtype, world_size=world_size, rank=rank,
                                  owner=owner, local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
                                  shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows,
                                  tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
-                                 param_id=id(param))
+                                 param_id=id(param),
+                                 _ledger=ledger or self._ledger_for(param) or Ledger())
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
+            self._pending_ledgers.pop(id(param), None)
             # The callback runs when the parameter is collected; it must not hold the parameter.
             self._by_param[id(param)] = _ParamRef(param, functools.partial(self._forget_param, uid), uid)
             record.full_storage_bytes = _nbytes(param)
-            self._add_resting("device", record.full_storage_bytes)  # until release_full_storage (stage 3)
+            self._add_resting("device", record.full_storage_bytes, ledger=record.ledger)  # until release_full_storage (stage 3)
             self._place_shard(record, local)
             self._place_master(record, local)
             return record
@@ -437,7 +506,7 @@ class ParamStore:
         if record.param_tier == "cpu" and torch.cuda.is_available():
             shard = shard.pin_memory()  # asynchronous host-to-device copies need page-locked memory
         record.shard = shard
-        self._add_resting(_tier_memory(record.param_tier), _nbytes(shard))
+        self._add_resting(_tier_memory(record.param_tier), _nbytes(shard), ledger=record.ledger)
 
     def _place_master(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
         """The fp32 master on the optimizer tier; the shard itself where they coincide."""
@@ -452,7 +521,7 @@ class ParamStore:
             return
         device = record.device if record.opt_tier == "device" else torch.device("cpu")
         record.master = local_fp32.to(device=device, copy=True)
-        self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.master))
+        self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.master), ledger=record.ledger)
 
     def release_full_storage(self, records: Iterable[ParamRecord]) -> None:
         """Stage 3: free the full parameters (once tracing no longer reads them)."""
@@ -460,9 +529,41 @@ class ParamStore:
             param = record.param
             storage = param.untyped_storage()
             if record.stage == 3 and storage.nbytes() > 0:
-                self._add_resting("device", -storage.nbytes())
+                self._add_resting("device", -storage.nbytes(), ledger=record.ledger)
                 record.full_storage_bytes = 0
                 storage.resize_(0)
+                if type(param) is torch.nn.Parameter:
+                    param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
+
+    def assign_full(self, record: ParamRecord, value: torch.Tensor) -> None:
+        """Write a full new value of a stage-3 parameter into this rank's shard and master, on their tiers.
+
+        What ``param.copy_(value)`` (``model.load_state_dict``) does on a
+        resting parameter.  No collective: each rank takes its own slice of
+        ``value``.  Optimizer moments are kept, as ``load_state_dict`` of a
+        model keeps them in eager PyTorch.
+        """
+        if tuple(value.shape) != tuple(record.shape):
+            raise ZinfStoreError(f"cannot copy a {tuple(value.shape)} tensor into parameter {record.name} "
+                                 f"of shape {tuple(record.shape)}")
+        exact = not record.dtype.is_floating_point
+        holding_dtype = record.dtype if exact else torch.float32
+        flat = value.detach().to(device=record.device, dtype=record.dtype).reshape(-1)
+        local = _local_slice(flat, holding_dtype, record.partition, record.owner, record.tile_rows,
+                             record.world_size, record.rank, record.tile_align)
+        if record.param_tier == "nvme":
+            if record.owns_state:
+                for key, start, numel in record.swap_layout():
+                    self._write_swap(record.swap, key, local[start : start + numel].to(record.compute_dtype))
+        else:
+            record.shard.copy_(local)
+        if record.stage == 0 or exact:
+            return
+        if record.opt_tier == "nvme":
+            if record.owns_state and record.trainable:
+                write_initial_master(self, record, local)
+        elif record.master is not None and record.master is not record.shard:
+            record.master.copy_(local)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
         """The record of ``param`` (this very tensor object, alive), or None if it was never adopted."""
@@ -488,6 +589,14 @@ class ParamStore:
         """
         while True:
             try:
+                param_id = self._dropped_pending.get_nowait()
+            except queue.Empty:
+                break
+            entry = self._pending_ledgers.get(param_id)
+            if entry is not None and entry[0]() is None:
+                del self._pending_ledgers[param_id]
+        while True:
+            try:
                 uid = self._dropped.get_nowait()
             except queue.Empty:
                 return
@@ -504,11 +613,11 @@ class ParamStore:
         """Give back everything ``record`` holds: memory (and its accounting), swap files, ownership."""
         self.drop_grads([record])
         if record.full_storage_bytes:
-            self._add_resting("device", -record.full_storage_bytes)
+            self._add_resting("device", -record.full_storage_bytes, ledger=record.ledger)
         if record.param_tier != "nvme":
-            self._add_resting(_tier_memory(record.param_tier), -_nbytes(record.shard))
+            self._add_resting(_tier_memory(record.param_tier), -_nbytes(record.shard), ledger=record.ledger)
         if record.master is not None and record.master is not record.shard:
-            self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.master))
+            self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.master), ledger=record.ledger)
         record.shard = record.master = None
         if record.swap is not None:
             for key, _, _ in record.swap_layout():
@@ -558,7 +667,7 @@ class ParamStore:
         else:
             source = record.shard
         self._add_transient("device", record.local_numel * record.compute_dtype.itemsize,
-                            what=f"cg_start of {record.name}")
+                            what=f"cg_start of {record.name}", ledger=record.ledger)
         on_device = torch.empty(record.local_numel, dtype=record.compute_dtype, device=record.device)
         work = COPIER.copy(on_device, source, "cg", f"cg {record.name}")
         record._copies.append((on_device, staging, work))
@@ -576,7 +685,7 @@ class ParamStore:
         """This rank's shard on the device: staged by cg, resting there, or fetched now."""
         if record._staged:
             shard = record._staged.pop(0)
-            self._add_transient("device", -_nbytes(shard))
+            self._add_transient("device", -_nbytes(shard), ledger=record.ledger)
             return shard
         if record.param_tier == "device":
             return record.shard
@@ -600,17 +709,17 @@ class ParamStore:
         shard = self._local_shard_on_device(record)
         if self._is_whole(record, shard):
             record._gathers.append((_DONE, shard, shard))
-            self._add_transient("device", _nbytes(shard), what=f"gather_start of {record.name}")
+            self._add_transient("device", _nbytes(shard), what=f"gather_start of {record.name}", ledger=record.ledger)
             return
         buffer = torch.empty(record.gathered_numel, dtype=record.compute_dtype, device=record.device)
         if record.partition == "allgather":
-            work = self.comm.all_gather_into(buffer, shard)
+            work = self.comm.all_gather_into(buffer, shard, f"all_gather of {record.name}")
         else:
             if record.rank == record.owner:
                 buffer.copy_(shard)
-            work = self.comm.broadcast(buffer, src=record.owner)
+            work = self.comm.broadcast(buffer, src=record.owner, what=f"broadcast of {record.name}")
         record._gathers.append((work, buffer, shard))
-        self._add_transient("device", _nbytes(buffer), what=f"gather_start of {record.name}")
+        self._add_transient("device", _nbytes(buffer), what=f"gather_start of {record.name}", ledger=record.ledger)
 
     def _is_whole(self, record: ParamRecord, shard: torch.Tensor, numel: int | None = None) -> bool:
         """World size 1: a shard the cg step just staged already is the whole parameter; no gather copy."""
@@ -641,9 +750,9 @@ class ParamStore:
         after this op (the generated code frees values after their last use).
         """
         if tile is not None:
-            self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize)
+            self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize, ledger=record.ledger)
             return
-        self._add_transient("device", -record.gathered_numel * record.compute_dtype.itemsize)
+        self._add_transient("device", -record.gathered_numel * record.compute_dtype.itemsize, ledger=record.ledger)
 
     # --- tiles: one row tile of a tiled parameter at a time --------------------------
 
@@ -693,7 +802,7 @@ class ParamStore:
         else:
             source = record.shard[start:stop]
         self._add_transient("device", (stop - start) * record.compute_dtype.itemsize,
-                            what=self._tile_what("cg_start", record, tile))
+                            what=self._tile_what("cg_start", record, tile), ledger=record.ledger)
         on_device = torch.empty(stop - start, dtype=record.compute_dtype, device=record.device)
         work = COPIER.copy(on_device, source, "cg", f"cg {record.name} tile {tile}")
         self._tile_queue(record, "cg", tile).append((on_device, staging, work))
@@ -711,7 +820,7 @@ class ParamStore:
         staged = self._tile_queue(record, "staged", tile)
         if staged:
             shard_tile = staged.pop(0)
-            self._add_transient("device", -_nbytes(shard_tile))
+            self._add_transient("device", -_nbytes(shard_tile), ledger=record.ledger)
             return shard_tile
         if record.param_tier == "device":
             start, stop = record.tile_local_range(tile)
@@ -728,18 +837,18 @@ class ParamStore:
         shard_tile = self._local_tile_on_device(record, tile)
         numel = record.tile_gathered_numel(tile)
         if self._is_whole(record, shard_tile, numel):
-            self._add_transient("device", _nbytes(shard_tile), what=self._tile_what("gather_start", record, tile))
+            self._add_transient("device", _nbytes(shard_tile), what=self._tile_what("gather_start", record, tile), ledger=record.ledger)
             queue.append((_DONE, shard_tile, shard_tile))
             return
         self._add_transient("device", numel * record.compute_dtype.itemsize,
-                            what=self._tile_what("gather_start", record, tile))
+                            what=self._tile_what("gather_start", record, tile), ledger=record.ledger)
         buffer = torch.empty(numel, dtype=record.compute_dtype, device=record.device)
         if record.partition == "allgather":
-            work = self.comm.all_gather_into(buffer, shard_tile)
+            work = self.comm.all_gather_into(buffer, shard_tile, self._tile_what("all_gather", record, tile))
         else:
             if record.rank == record.owner:
                 buffer.copy_(shard_tile)
-            work = self.comm.broadcast(buffer, src=record.owner)
+            work = self.comm.broadcast(buffer, src=record.owner, what=f"broadcast of {record.name}")
         queue.append((work, buffer, shard_tile))
 
     def _tile_gather_wait(self, record: ParamRecord, tile: int) -> torch.Tensor:
@@ -768,16 +877,16 @@ class ParamStore:
             flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
         if record.partition == "allgather":
             staged_bytes = (record.tile_gathered_numel(tile) + record.tile_shard_numel(tile)) * record.compute_dtype.itemsize
-            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile))
+            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile), ledger=record.ledger)
             staging = torch.zeros(record.tile_gathered_numel(tile), dtype=record.compute_dtype, device=grad.device)
             staging[: flat_grad.numel()].copy_(flat_grad)
             out = torch.empty(record.tile_shard_numel(tile), dtype=record.compute_dtype, device=grad.device)
-            work = self.comm.reduce_scatter_avg(out, staging)
+            work = self.comm.reduce_scatter_avg(out, staging, f"reduce_scatter of the gradient of {record.name}")
         else:
             staged_bytes = flat_grad.numel() * record.compute_dtype.itemsize
-            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile))
+            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile), ledger=record.ledger)
             staging = out = flat_grad.to(record.compute_dtype, copy=True)
-            work = self.comm.reduce_sum(staging, dst=record.owner)
+            work = self.comm.reduce_sum(staging, dst=record.owner, what=f"reduce of the gradient of {record.name}")
         queue.append((work, out, staged_bytes))
 
     def _tile_reduce_wait(self, record: ParamRecord, tile: int) -> None:
@@ -792,7 +901,7 @@ class ParamStore:
             raise ZinfStoreError(f"reduce_grad_wait for {record.name} tile {tile} without a reduce_grad_start")
         work, out, staged_bytes = queue.pop(0)
         work.wait()
-        self._add_transient("device", -staged_bytes)
+        self._add_transient("device", -staged_bytes, ledger=record.ledger)
         if out is None:
             return  # added at the start (world size 1)
         if record.partition == "broadcast":
@@ -812,19 +921,19 @@ class ParamStore:
             if pending is None:
                 pending = record._tile_queues["grad_pending"] = (
                     torch.zeros(record.local_numel, dtype=torch.float32), set())
-                self._add_transient("cpu", _nbytes(pending[0]))
+                self._add_transient("cpu", _nbytes(pending[0]), ledger=record.ledger)
             gathered_grad, done = pending
             gathered_grad[start:stop].copy_(out)
             done.add(tile)
             if len(done) == len(record.tile_rows):
                 del record._tile_queues["grad_pending"]
-                self._add_transient("cpu", -_nbytes(gathered_grad))
+                self._add_transient("cpu", -_nbytes(gathered_grad), ledger=record.ledger)
                 self._swap_grad(record, gathered_grad)
             return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         if record.grad_shard is None:
             record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
-            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard))
+            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard), ledger=record.ledger)
         record.grad_shard[start:stop].add_(out.to(grad_device))
 
     # --- gradients ---------------------------------------------------------------
@@ -835,14 +944,14 @@ class ParamStore:
         ``tile``: ``grad`` is the gradient of that row tile only.
         """
         # The gradient the graph hands over is device memory too, until this op returns.
-        self._add_transient("device", _nbytes(grad), what=f"reduce_grad_start of {record.name}")
+        self._add_transient("device", _nbytes(grad), what=f"reduce_grad_start of {record.name}", ledger=record.ledger)
         try:
             if tile is not None:
                 self._tile_reduce_start(record, grad, tile)
             else:
                 self._reduce_start(record, grad)
         finally:
-            self._add_transient("device", -_nbytes(grad))
+            self._add_transient("device", -_nbytes(grad), ledger=record.ledger)
 
     def _reduce_start(self, record: ParamRecord, grad: torch.Tensor) -> None:
         flat_grad = grad.detach().reshape(-1)
@@ -853,7 +962,7 @@ class ParamStore:
             grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
             out = flat_grad.to(device=grad_device, dtype=torch.float32, copy=True)
             record._reduces.append((_DONE, out, out, True))
-            self._add_transient("device", _nbytes(out), what=f"reduce_grad_start of {record.name}")
+            self._add_transient("device", _nbytes(out), what=f"reduce_grad_start of {record.name}", ledger=record.ledger)
             return
         if record.compute_dtype == torch.float16:
             flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
@@ -864,14 +973,14 @@ class ParamStore:
             else:
                 staging[: record.numel].copy_(flat_grad)
             out = torch.empty(record.shard_numel, dtype=record.compute_dtype, device=grad.device)
-            work = self.comm.reduce_scatter_avg(out, staging)
+            work = self.comm.reduce_scatter_avg(out, staging, f"reduce_scatter of the gradient of {record.name}")
         else:
             staging = flat_grad.to(record.compute_dtype, copy=True)
             out = staging
-            work = self.comm.reduce_sum(staging, dst=record.owner)
+            work = self.comm.reduce_sum(staging, dst=record.owner, what=f"reduce of the gradient of {record.name}")
         record._reduces.append((work, out, staging, False))
         self._add_transient("device", _nbytes(staging) + (_nbytes(out) if out is not staging else 0),
-                            what=f"reduce_grad_start of {record.name}")
+                            what=f"reduce_grad_start of {record.name}", ledger=record.ledger)
 
     def reduce_grad_wait(self, record: ParamRecord, tile: int | None = None) -> None:
         """Finish the oldest in-flight reduce of ``uid`` and add it to the gradient shard.
@@ -886,7 +995,7 @@ class ParamStore:
             raise ZinfStoreError(f"reduce_grad_wait for {record.name} without a reduce_grad_start")
         work, out, staging, private = record._reduces.pop(0)
         work.wait()
-        self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)))
+        self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)), ledger=record.ledger)
         if record.partition == "broadcast":
             if record.rank != record.owner:
                 return
@@ -901,7 +1010,7 @@ class ParamStore:
         if record.grad_shard is None:
             # ``private``: already a copy of our own, in fp32 where the optimizer steps.
             record.grad_shard = out if private else out.to(device=grad_device, dtype=torch.float32, copy=True)
-            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard))
+            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard), ledger=record.ledger)
         else:
             record.grad_shard.add_(out.to(grad_device))
 
@@ -923,11 +1032,22 @@ class ParamStore:
         master and moments, so no gradient shard stays in memory.  Writes run
         in the background, at most GRAD_WRITES_IN_FLIGHT sub-groups at once;
         :meth:`finish_grad_writes` drains them.
+
+        A swap write or read that fails (ENOSPC, EIO, ...) does not raise here:
+        raising would stop the backward graph half way, leaving its other
+        transfers in flight.  The record's gradient is marked lost instead,
+        and :meth:`finish_grad_writes` refuses the step until
+        :meth:`drop_grads` (``opt.zero_grad()``) discards it.
         """
         reduced = reduced.to(device="cpu", dtype=torch.float32)
-        if record.grad_on_disk:
-            # Accumulating: a read must see the previous backward's writes.
-            self.finish_grad_writes()
+        accumulating = record.grad_on_disk
+        # From here on its gradient files may exist: drop_grads deletes them whatever happens below.
+        record.grad_on_disk = True
+        if accumulating:
+            # A read must see the previous backward's writes.
+            self._drain_grad_writes(0)
+        if record.uid in self._lost_grads:
+            return  # already incomplete: nothing to add to, the step refuses it until zero_grad
         sq_norm = 0.0
         for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
             numel, key = stop - start, state_key("grad", record.uid, index)
@@ -935,42 +1055,80 @@ class ParamStore:
             staging = self._pool(numel * 4).acquire(numel * 4, timeout=POOL_WAIT_SECONDS)
             try:
                 group = staging.tensor(torch.float32, numel)
-                if record.grad_on_disk:
+                if accumulating:
                     record.swap.read(key, staging, numel * 4).wait()
                     group.add_(reduced[start:stop])
                 else:
                     group.copy_(reduced[start:stop])
                 sq_norm += float(torch.linalg.vector_norm(group, dtype=torch.float64)) ** 2
-                self._grad_writes.append((record.swap.write(key, staging, numel * 4), staging))
-            except BaseException:
-                if not self._grad_writes or self._grad_writes[-1][1] is not staging:
-                    staging.release()
+                request = record.swap.write(key, staging, numel * 4)
+            except AioError as err:
+                staging.release()
+                self._lost_grads.setdefault(record.uid, err)
+                return
+            except BaseException as err:
+                staging.release()
+                self._lost_grads.setdefault(record.uid, err)  # stopped half way: its files hold a mix
                 raise
-        record.grad_on_disk = True
+            self._grad_writes.append((request, staging, record))
         record.grad_sq_norm = sq_norm
         record.grad_multiplier = 1.0
 
     def _drain_grad_writes(self, keep: int) -> None:
-        while len(self._grad_writes) > keep:
-            _finish_oldest_write(self._grad_writes)
+        """Wait for the oldest gradient writes until ``keep`` are in flight; give their buffers back.
 
-    def finish_grad_writes(self) -> None:
-        """Wait for every gradient swap write in flight (before the step reads them)."""
+        A failed write marks its record's gradient lost (see :meth:`_swap_grad`)
+        and is not raised here, so no later call meets it as a stale error.
+        """
+        while len(self._grad_writes) > keep:
+            request, staging, record = self._grad_writes.pop(0)
+            try:
+                request.wait()
+            except AioError as err:
+                self._lost_grads.setdefault(record.uid, err)
+            finally:
+                staging.release()
+
+    def finish_grad_writes(self, records: Iterable[ParamRecord] | None = None) -> None:
+        """Wait for every gradient swap write in flight (before the step reads them).
+
+        Raises :class:`AioError` if the gradient of one of ``records`` (default:
+        any) is incomplete because a swap write or read of it failed: a step
+        would train on a partial gradient.  Nothing is changed then; after
+        ``opt.zero_grad()`` the next backward writes the gradients afresh.
+        """
         self._drain_grad_writes(0)
+        uids = None if records is None else {record.uid for record in records}
+        lost = [(uid, err) for uid, err in self._lost_grads.items() if uids is None or uid in uids]
+        if not lost:
+            return
+        names = [self._records[uid].name if uid in self._records else f"#{uid}" for uid, _ in lost]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        first = lost[0][1]
+        raise AioError(
+            f"optimizer step refused: the gradient of {len(lost)} parameter(s) ({shown}) could not be written to "
+            f"its NVMe swap files during backward, and a step on a partial gradient would mix steps; no parameter "
+            f"or optimizer state was changed. Free space under nvme_path (or point nvme_path at a bigger disk), "
+            f"then call opt.zero_grad() (it discards the incomplete gradients) and run the backward again. "
+            f"The first failure: {first}"
+        ) from first
 
     def drop_grads(self, records: Iterable[ParamRecord]) -> None:
+        """Discard the gradients of ``records`` (``opt.zero_grad()``), incomplete ones included."""
         for record in records:
             if record.grad_shard is not None:
-                self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.grad_shard))
+                self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.grad_shard), ledger=record.ledger)
                 record.grad_shard = None
             if record.grad_on_disk:
-                self.finish_grad_writes()
+                # Settles the writes in flight; a failure among them no longer matters to this record.
+                self._drain_grad_writes(0)
                 # Delete the files: the disk then holds what memory_report says.
                 for index in range(len(sub_groups(record.local_numel))):
                     record.swap.forget(state_key("grad", record.uid, index))
                 record.grad_on_disk = False
                 record.grad_sq_norm = 0.0
                 record.grad_multiplier = 1.0
+            self._lost_grads.pop(record.uid, None)
 
     # --- after the optimizer step -----------------------------------------------
 
@@ -1028,34 +1186,88 @@ class ParamStore:
 
     # --- accounting --------------------------------------------------------------
 
-    def _add_resting(self, tier: str, delta: int) -> None:
-        self.resting[tier] += delta
-        self._note_peak(tier)
+    def _add_resting(self, tier: str, delta: int, ledger: "Ledger | None" = None) -> None:
+        """Count ``delta`` resting bytes on ``tier``: for the process and for ``ledger``'s model (None: shared)."""
+        self.process.add_resting(tier, delta)
+        if ledger is not None:
+            ledger.add_resting(tier, delta)
 
-    def _add_transient(self, tier: str, delta: int, what: str | None = None) -> None:
-        """Count ``delta`` bytes gathered or in flight on ``tier``; ``what``: the op, named by a budget error."""
-        limit = self.device_memory_limit
-        if tier == "device" and delta > 0 and limit is not None and self.transient[tier] + delta > limit:
-            raise ZinfBudgetError(
-                f"device_memory_limit exceeded: {what or 'a transfer'} needs {delta:,} bytes on the device while "
-                f"{self.transient[tier]:,} bytes are already gathered or in flight ({self.transient[tier] + delta:,} "
-                f"> device_memory_limit={limit:,}); raise device_memory_limit, let the tile pass split the op "
-                f"(a lower tile_threshold, a larger tile_factor or tile_factor='auto'), or lower max_live_bytes"
-            )
-        self.transient[tier] += delta
-        self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
-        self._note_peak(tier)
+    def _add_transient(self, tier: str, delta: int, what: str | None = None, ledger: "Ledger | None" = None) -> None:
+        """Count ``delta`` bytes gathered or in flight on ``tier``; ``what``: the op, named by a budget error.
 
-    def add_optimizer_bytes(self, tier: str, delta: int) -> None:
-        self._add_resting(_tier_memory(tier), delta)
+        The budget (``device_memory_limit``) is the model's: checked on ``ledger``.
+        """
+        if ledger is not None:
+            ledger.add_transient(tier, delta, what)
+        self.process.add_transient(tier, delta, what)
 
-    def _note_peak(self, tier: str) -> None:
-        self.peak[tier] = max(self.peak[tier], self.resting[tier] + self.transient[tier])
+    def add_optimizer_bytes(self, tier: str, delta: int, ledger: "Ledger | None" = None) -> None:
+        self._add_resting(_tier_memory(tier), delta, ledger=ledger)
+
+    # Process-wide figures (every model and the shared pinned pool), as before per-model ledgers.
+    @property
+    def resting(self) -> dict[str, int]:
+        return self.process.resting
+
+    @property
+    def transient(self) -> dict[str, int]:
+        return self.process.transient
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return self.process.peak
+
+    @property
+    def peak_transient(self) -> dict[str, int]:
+        return self.process.peak_transient
 
     def reset_peak(self) -> None:
-        for tier in self.peak:
-            self.peak[tier] = self.resting[tier] + self.transient[tier]
-            self.peak_transient[tier] = self.transient[tier]
+        """A new peak window for the process and every model."""
+        self.process.reset_peak()
+        for ledger in {id(r.ledger): r.ledger for r in self._records.values()}.values():
+            ledger.reset_peak()
+
+    # --- models ------------------------------------------------------------------
+
+    def group(self, params: Iterable[torch.Tensor], device_memory_limit=_UNSET) -> "Ledger":
+        """Account ``params`` as one model: one ledger for those adopted, and for the rest when they are.
+
+        The optimizer and ``memory_report`` call this with a model's
+        parameters; graphs adopt theirs as a group too.  Ledgers that meet
+        merge (their figures add up; a merged peak is the sum of peaks, an
+        upper bound).
+        """
+        self.collect()
+        ledgers, pending = [], []
+        for param in params:
+            record = self.lookup(param)
+            if record is not None:
+                ledgers.append(record.ledger)
+            else:
+                pending.append(param)
+        ledger = _merge(ledgers) if ledgers else None
+        for param in pending:
+            entry = self._pending_ledgers.get(id(param))
+            if entry is not None and entry[0]() is param:
+                ledger = _merge([ledger, entry[1]]) if ledger is not None else entry[1].root()
+        if ledger is None:
+            ledger = Ledger()
+        for param in pending:
+            self._pending_ledgers[id(param)] = (weakref.ref(param, functools.partial(self._forget_pending, id(param))),
+                                                ledger)
+        if device_memory_limit is not _UNSET:
+            ledger.device_memory_limit = device_memory_limit
+        return ledger
+
+    def _forget_pending(self, param_id: int, _ref) -> None:
+        self._dropped_pending.put(param_id)
+
+    def _ledger_for(self, param: torch.Tensor) -> "Ledger | None":
+        """The ledger a not-yet-adopted parameter was grouped into (see :meth:`group`), if any."""
+        entry = self._pending_ledgers.get(id(param))
+        if entry is not None and entry[0]() is param:
+            return entry[1].root()
+        return None
 
     def held_tensors(self, params: Iterable[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
         """The tensors the store holds in memory for ``params`` (default: all), by kind.
@@ -1110,7 +1322,7 @@ class Fp16GradScaler:
         ``device``: where the flag is reduced (NCCL reduces device tensors only).
         """
         flag = torch.tensor(1.0 if self.found_inf else 0.0, device=device)
-        comm.all_reduce_sum(flag)
+        comm.all_reduce_sum(flag, "all_reduce of the fp16 overflow flag (optimizer step)")
         self.found_inf = False
         if flag.item() > 0:
             self.scale /= 2.0
@@ -1124,13 +1336,37 @@ class Fp16GradScaler:
 
 
 def _finish_oldest_write(writes: list) -> None:
-    """Wait for the oldest (request or requests, pinned staging) of ``writes`` and give its buffer back."""
+    """Wait for the oldest (request or requests, pinned staging) of ``writes`` and give its buffer back.
+
+    Every request of the entry finishes before its buffer goes back (the pool
+    may hand it out again at once).  A failed write inside a swap transaction
+    is not raised here: the transaction raises it when it ends and commits
+    nothing, while raising here would stop the optimizer step with some
+    masters stepped and others not.  A failed write outside one raises, once
+    the rest of ``writes`` has finished too, so none of them surfaces later
+    as a stale error.
+    """
     requests, staging = writes.pop(0)
+    failure = None
     try:
         for request in requests if isinstance(requests, list) else [requests]:
-            request.wait()
+            try:
+                request.wait()
+            except AioError as err:
+                if not request.in_transaction and failure is None:
+                    failure = err
     finally:
         staging.release()
+    if failure is not None:
+        while writes:
+            rest, rest_staging = writes.pop(0)
+            for request in rest if isinstance(rest, list) else [rest]:
+                try:
+                    request.wait()
+                except AioError:
+                    pass  # the first failure is the one reported
+            rest_staging.release()
+        raise failure
 
 
 class _DoneWork:
@@ -1193,6 +1429,22 @@ def _padded_view(view, offset: int, nbytes: int):
     """``view`` from ``offset`` for ``nbytes`` rounded up to the O_DIRECT alignment (never past its end)."""
     padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
     return view[offset : min(len(view), offset + padded)]
+
+
+def _local_slice(flat: torch.Tensor, holding_dtype: torch.dtype, partition: str, owner: int | None, tile_rows,
+                 world_size: int, rank: int, tile_align: int) -> torch.Tensor:
+    """This rank's slice of a full flat parameter, in ``holding_dtype`` (fp32, or an integer dtype)."""
+    if partition == "broadcast":
+        return flat.to(holding_dtype, copy=True) if rank == owner else flat.new_empty(0, dtype=holding_dtype)
+    if tile_rows is not None:
+        return _tile_major_slice(flat, tile_rows, world_size, rank, tile_align)
+    shard_numel = -(-flat.numel() // world_size)
+    local = torch.zeros(shard_numel, dtype=holding_dtype, device=flat.device)
+    start = rank * shard_numel
+    stop = min(start + shard_numel, flat.numel())
+    if stop > start:
+        local[: stop - start].copy_(flat[start:stop])
+    return local
 
 
 def _tile_major_slice(flat: torch.Tensor, tile_rows, world_size: int, rank: int, align: int = 1) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import pathlib
 import stat
 
 import pytest
@@ -188,7 +189,8 @@ def test_enospc_mid_write_keeps_the_previous_good_copy(engine, pool, monkeypatch
         request.wait()
     message = str(err.value)
     assert "'state'" in message and engine.path("state") in message
-    assert "disk under nvme_path" in message and "is full (ENOSPC)" in message and "200,704 bytes" in message
+    assert "no space left on device (ENOSPC)" in message and "disk under nvme_path" in message
+    assert "is full" in message and "200,704 bytes" in message
     assert "last good copy of 'state' is kept" in message
     with pytest.raises(AioError):  # wait() keeps reporting the failure
         request.wait()
@@ -375,3 +377,225 @@ def test_one_copy_mode_halves_the_disk_and_never_serves_a_half_written_key(tmp_p
         assert torch.equal(out.tensor(torch.float32, 50_000), second_values)
     finally:
         single.close()
+
+
+# --- issue 12 item 7: a disk that fills up, messages true for nvme_copies=1, stale folders ---------------
+
+
+def test_a_disk_filling_up_mid_piece_is_reported_as_enospc_not_a_short_write(engine, pool, monkeypatch):
+    # What a filling disk does: it takes the first part of a write and refuses the next call.
+    real_pwritev = os.pwritev
+    calls = []
+
+    def fills_up_mid_piece(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            return real_pwritev(fd, [buffers[0][: 2 * 4096]], offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio_module.os, "pwritev", fills_up_mid_piece)
+    buffer, _ = _random_buffer(pool, 16_384, 1)
+    with pytest.raises(AioError) as err:
+        engine.write("full", buffer, 65_536).wait()
+    message = str(err.value)
+    assert "short write" not in message and "EIO" not in message
+    assert "no space left on device (ENOSPC)" in message and str(engine.root) in message
+    assert "65,536 bytes" in message and "free space there or point nvme_path" in message.lower()
+    assert calls == [0, 2 * 4096]  # the rest of the piece was retried where the first part ended
+
+    # No error from the kernel, only no progress, and no free space: still ENOSPC.
+    monkeypatch.setattr(aio_module.os, "pwritev", lambda fd, buffers, offset: 0)
+    full = os.statvfs_result((4096, 4096, 10, 0, 0, 10, 0, 0, 0, 255))
+    monkeypatch.setattr(aio_module.os, "statvfs", lambda path: full)
+    with pytest.raises(AioError, match=r"no space left on device \(ENOSPC\)"):
+        engine.write("full", buffer, 65_536).wait()
+    buffer.release()
+
+
+def test_short_writes_that_then_succeed_write_every_byte(engine, pool, monkeypatch):
+    real_pwritev = os.pwritev
+
+    def stingy(fd, buffers, offset):
+        # Writes at most two sectors and, when that is not all, claims 100 bytes less (an unaligned
+        # count): the retry must start at an aligned offset (O_DIRECT) and cover the rest.
+        written = real_pwritev(fd, [buffers[0][: 2 * 4096]], offset)
+        return written - 100 if written < len(buffers[0]) else written
+
+    buffer, values = _random_buffer(pool, 50_000, 4)
+    monkeypatch.setattr(aio_module.os, "pwritev", stingy)
+    engine.write("stingy", buffer, 200_000).wait()
+    monkeypatch.undo()
+    out, _ = _random_buffer(pool, 50_000, 5)
+    engine.read("stingy", out, 200_000).wait()  # the checksums match: every byte landed
+    assert torch.equal(out.tensor(torch.float32, 50_000), values)
+    buffer.release()
+    out.release()
+
+
+def _enospc_after(monkeypatch, good_calls):
+    real_pwritev = os.pwritev
+    calls = []
+
+    def disk_fills_up(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) > good_calls:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(aio_module.os, "pwritev", disk_fills_up)
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_failure_messages_are_true_for_the_number_of_copies(tmp_path, pool, monkeypatch, copies):
+    engine = AioEngine(str(tmp_path), block_size=64 << 10, copies=copies)
+    try:
+        buffer, _ = _random_buffer(pool, 50_000, 1)
+        # A first write: nothing older exists, nothing is lost, whatever the copies.
+        _enospc_after(monkeypatch, 0)
+        with pytest.raises(AioError) as err:
+            engine.write("fresh", buffer, 200_000).wait()
+        monkeypatch.undo()
+        assert "had no earlier copy" in str(err.value) and "last good copy" not in str(err.value)
+        assert "two copies" not in str(err.value)
+
+        engine.write("x", buffer, 200_000).wait()
+        engine.write("y", buffer, 200_000).wait()
+        # A rewrite that fails: copies=2 keeps the last good copy, copies=1 loses its only one.
+        _enospc_after(monkeypatch, 1)
+        with pytest.raises(AioError) as err:
+            engine.write("x", buffer, 200_000).wait()
+        monkeypatch.undo()
+        if copies == 2:
+            assert "last good copy of 'x' is kept (nvme_copies=2" in str(err.value)
+            engine.read("x", buffer, 200_000).wait()
+        else:
+            assert "had one copy (nvme_copies=1) and it is lost" in str(err.value)
+            assert "kept" not in str(err.value) and "two copies" not in str(err.value)
+            with pytest.raises(AioError, match=r"'x' .*no good copy: its only copy was being overwritten in place "
+                                               r"\(nvme_copies=1\).*unusable"):
+                engine.read("x", buffer, 200_000)
+
+        # A transaction that fails: its summary says what was kept or lost.
+        with pytest.raises(AioError) as err:
+            with engine.transaction():
+                engine.write("y", buffer, 200_000).wait()
+                _enospc_after(monkeypatch, 0)
+                with pytest.raises(AioError):
+                    engine.write("fresh", buffer, 200_000).wait()
+        monkeypatch.undo()
+        message = str(err.value)
+        if copies == 2:
+            assert "every key keeps its copy from before it (nvme_copies=2" in message
+            engine.read("y", buffer, 200_000).wait()
+        else:
+            assert "keeps" not in message.split(":")[0]
+            assert "1 key(s) it overwrote in place lost their only copy (nvme_copies=1): 'y'" in message
+            assert "unusable" in message
+            with pytest.raises(AioError, match="no good copy"):
+                engine.read("y", buffer, 200_000)
+        buffer.release()
+    finally:
+        engine.close()
+
+
+def test_invalidate_makes_a_key_unreadable_until_it_is_written_again(engine, pool):
+    buffer, values = _random_buffer(pool, 1000, 1)
+    engine.write("param.0", buffer, 4000).wait()
+    engine.invalidate("param.0", "out of date: call opt.step() again")
+    with pytest.raises(AioError, match=r"'param.0' .*no good copy: out of date: call opt.step\(\) again"):
+        engine.read("param.0", buffer, 4000)
+    engine.write("param.0", buffer, 4000).wait()
+    engine.read("param.0", buffer, 4000).wait()
+    assert torch.equal(buffer.tensor(torch.float32, 1000), values)
+    buffer.release()
+
+
+def _dead_pid():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_swap_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp_path, caplog):
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    # A live run, with an engine of its own: never touched.
+    live = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from zinf_compiler.runtime.aio import AioEngine
+        engine = AioEngine({str(tmp_path)!r})
+        print(engine.folder, flush=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        live_folder = live.stdout.readline().strip()
+        # A run killed with SIGKILL: its folder (named by the engine itself) stays behind.
+        script = textwrap.dedent(f"""
+            import os, signal
+            from zinf_compiler.runtime.aio import AioEngine
+            engine = AioEngine({str(tmp_path)!r})
+            engine.write("k", bytearray(4096) if not engine.direct else __import__("mmap").mmap(-1, 4096), 10).wait()
+            print(engine.folder, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        killed_folder = done.stdout.strip()
+        assert done.returncode == -9 and os.path.isdir(killed_folder), done.stderr
+
+        assert os.path.isdir(live_folder)
+        live_name = os.path.basename(live_folder)
+        pid, owner = live_name.split("-")[2:4]
+        start, namespace, boot, host = owner.split(".")
+        assert int(pid) == live.pid
+
+        def fake(name, age=0.0):
+            path = tmp_path / name
+            path.mkdir()
+            (path / "param.0.swap").write_bytes(b"x" * 8192)
+            if age:
+                os.utime(path, (time.time() - age, time.time() - age))
+            return path
+
+        dead = _dead_pid()
+        stale = [
+            fake(f"zinf-swap-{dead}-abcd1234"),  # made by an older zinf, its pid is gone
+            fake(f"zinf-swap-{dead}-{int(start) + 7}.{namespace}.{boot}.{host}-abcd1234"),  # pid gone
+            # The live child's pid, but a different start time: the folder's owner died and the pid was reused.
+            fake(f"zinf-swap-{live.pid}-{int(start) - 1}.{namespace}.{boot}.{host}-abcd1234"),
+            # Older zinf: the live child's pid, but the folder last changed an hour before the child started.
+            fake(f"zinf-swap-{live.pid}-efgh5678", age=3600),
+            fake(f"zinf-swap-{dead}-{start}.{namespace}.00000000.{host}-abcd1234"),  # before the last boot
+        ]
+        kept = [
+            fake(f"zinf-swap-{live.pid}-ijkl9012"),  # older zinf, the live child's pid, made after it started
+            fake(f"zinf-swap-{dead}-{start}.1.{boot}.{host}-abcd1234"),  # another pid namespace: unknowable
+            fake(f"zinf-swap-{dead}-{start}.{namespace}.00000000.0badc0de-abcd1234"),  # another machine
+            fake(f"zinf-swap-notapid-abcd1234"),  # not a swap folder name
+            fake(f"my-data-{dead}"),
+        ]
+        with caplog.at_level("WARNING", logger="zinf"):
+            engine = AioEngine(str(tmp_path))
+        try:
+            assert not os.path.exists(killed_folder)
+            for path in stale:
+                assert not path.exists(), path
+            for path in kept + [pathlib.Path(live_folder), pathlib.Path(engine.folder)]:
+                assert path.is_dir(), path
+            warning = caplog.text
+            assert "removed 6 swap folder(s) under nvme_path" in warning and killed_folder in warning
+            assert all(str(path) in warning for path in stale) and "has exited" in warning
+            # A second engine (this process) keeps the first one's folder and the live child's.
+            with AioEngine(str(tmp_path)) as second:
+                assert os.path.isdir(engine.folder) and os.path.isdir(live_folder) and second.folder != engine.folder
+        finally:
+            engine.close()
+    finally:
+        live.communicate("", timeout=30)
+    assert live.returncode == 0
+    assert not os.path.exists(live_folder)  # its own exit removed it

@@ -6,6 +6,7 @@ were bound at run time; see tests/usage.py for the side-by-side harness.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -180,8 +181,6 @@ def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
     eager = GPT(cfg)
-    import copy
-
     zinf_model = copy.deepcopy(eager)
     compiled = torch.compile(zinf_model, backend="zinf", options={"stage": stage, "lower": "eager"}, dynamic=dynamic)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -269,3 +268,117 @@ def test_a_meta_model_without_materialize_names_materialize():
     compiled = torch.compile(model, backend="zinf", options=EAGER3)
     with pytest.raises(Exception, match=r"call zinf.materialize\(model, options, init_fn=...\)"):
         compiled(batches()[0].to("meta"))
+
+
+def wide(width: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 4))
+
+
+def test_memory_figures_and_device_budget_are_per_model():
+    # Before: memory_report(model)["peak"] and device_memory_limit were process-wide: a second
+    # model's gathers counted against the first one's budget and showed in its peak.
+    small = seeded(lambda: wide(16), 0)
+    large = seeded(lambda: wide(4096), 1)
+    budget = 64 * 1024  # enough for the small model's gathers, far too little for the large one's
+    small_compiled = torch.compile(small, backend="zinf", options={**EAGER3, "device_memory_limit": budget})
+    large_compiled = torch.compile(large, backend="zinf", options=EAGER3)
+    small_opt, large_opt = zinf.optim.SGD(small.parameters(), lr=0.1), zinf.optim.SGD(large.parameters(), lr=0.1)
+    x = batches()[0]
+
+    def train_step(compiled, opt):
+        compiled(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_step(small_compiled, small_opt)
+    small_peak = zinf.memory_report(small)["peak"]
+    for _ in range(2):  # the large model trains under no budget, interleaved with the small one
+        train_step(large_compiled, large_opt)
+        train_step(small_compiled, small_opt)
+    assert zinf.memory_report(small)["peak"] == small_peak
+    large_peak = zinf.memory_report(large)["peak"]["device"]
+    assert large_peak > 4 * small_peak["device"]
+    zinf.reset_peak_memory(small)
+    assert zinf.memory_report(large)["peak"]["device"] == large_peak
+    # The small model's own budget still holds for it.
+    tight = seeded(lambda: wide(4096), 2)
+    with pytest.raises(Exception, match="device_memory_limit exceeded"):
+        torch.compile(tight, backend="zinf", options={**EAGER3, "device_memory_limit": budget})(x)
+
+
+@pytest.mark.parametrize("touch", ["sum", "repr", "detach", "data", "state_dict", "copy_with_grad"])
+def test_touching_a_stage3_parameter_is_a_clear_error(touch):
+    # Before: exit 139 (a segfault) for p.sum() and an in-place copy into a resting parameter.
+    from zinf_compiler.runtime.resting import ZinfRestingParameterError
+
+    model = seeded(mlp, 0)
+    torch.compile(model, backend="zinf", options=EAGER3)(batches()[0]).sum().backward()
+    weight = model[0].weight
+    actions = {
+        "sum": lambda: weight.sum(),
+        "repr": lambda: repr(weight),
+        "detach": lambda: weight.detach() + 1,
+        "data": lambda: weight.data,
+        "state_dict": lambda: model.state_dict(),
+        "copy_with_grad": lambda: weight.copy_(torch.ones_like(weight)),
+    }
+    with pytest.raises(ZinfRestingParameterError, match="zinf_compiler.full_state_dict|torch.no_grad"):
+        actions[touch]()
+    assert weight.shape == (16, 8) and weight.requires_grad  # metadata stays readable
+
+
+@pytest.mark.parametrize("options", [
+    {"offload_param": "none"},
+    {"offload_param": "cpu", "offload_optimizer": "cpu"},
+    {"offload_param": "nvme", "offload_optimizer": "nvme"},
+    {"offload_param": "nvme", "tile_threshold": 256, "tile_factor": 2},
+], ids=["device", "cpu", "nvme", "nvme-tiled"])
+def test_load_state_dict_into_a_trained_stage3_model_writes_the_shards(options, tmp_path):
+    # Before: model.load_state_dict on a stage-3 model segfaulted.  Now it writes every rank's
+    # slice into the shards (and fp32 masters), on every tier; training goes on as in eager.
+    options = {**EAGER3, "nvme_path": str(tmp_path), **options}
+    optimizer = ({"optimizer": "Adam", "lr": 1e-2, "eps": 1e-6, "fused": True}
+                 if options.get("offload_optimizer") == "nvme" else {})
+    pair = Pair(seeded(Stack, 0), options, **optimizer)
+    train_interleaved([pair], batches(), steps=2)
+    fresh = seeded(Stack, 5).state_dict()
+    pair.eager.load_state_dict(fresh)
+    pair.zinf_model.load_state_dict(fresh)
+    loaded = zinf.full_state_dict(pair.zinf_model)
+    for name, value in fresh.items():
+        assert torch.equal(loaded[name], value), name
+    pair.assert_equal(train_interleaved([pair], batches(), steps=2)[0], str(options))
+
+
+def test_a_collective_on_one_rank_only_times_out_naming_the_call():
+    # Before: a rank-0-only full_state_dict hung forever.
+    from multirank import run_ranks
+
+    rank0, _ = run_ranks(2, "collective_worker", {}, timeout=120)
+    assert rank0["error"] == "ZinfCollectiveTimeout", rank0
+    assert "all_gather of 0.weight" in rank0["message"] and "collective_timeout=3" in rank0["message"]
+    assert rank0["seconds"] < 30
+
+
+@pytest.mark.parametrize("options", [{}, {"offload_param": "cpu", "offload_optimizer": "cpu"}], ids=["device", "cpu"])
+def test_resume_into_a_new_model_loading_optimizer_state_before_its_first_forward(options):
+    # Before: opt.load_state_dict before the first compiled forward failed later with the
+    # misleading "stepped before the model's first compiled forward".
+    options = {**EAGER3, **options}
+    adam = {"optimizer": "Adam", "lr": 1e-2, "eps": 1e-6, "fused": True}
+    first = Pair(seeded(Stack, 0), options, **adam)
+    train_interleaved([first], batches(), steps=2)
+    # Copied, as a checkpoint on disk would be: state_dict() holds the live moment tensors.
+    weights, opt_state = zinf.full_state_dict(first.zinf_model), copy.deepcopy(first.zinf_opt.state_dict())
+    resumed = seeded(Stack, 9)
+    resumed.load_state_dict(weights)  # not compiled yet: a plain load
+    compiled = torch.compile(resumed, backend="zinf", options=options)
+    opt = zinf.optim.Adam(resumed.parameters(), lr=1e-2, eps=1e-6, fused=True)
+    opt.load_state_dict(opt_state)  # before the first compiled forward
+    for step, x in enumerate(batches()[:2]):
+        expected = first.step(x)[0]  # the eager model goes on from the same state
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(expected, rel=1e-5), f"step {step}"

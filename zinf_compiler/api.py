@@ -48,9 +48,12 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     storage still held (stages 0-2); gradients count gradient shards (on the
     optimizer's tier) plus ``param.grad``; optimizer counts separate fp32
     master shards and the optimizer's moments.  ``buffers`` is the pinned
-    staging pool, allocated once.  ``activations`` stays 0 until activation
-    offload exists.
+    staging pool, allocated once and shared by every model in the process
+    (not in ``peak``).  ``activations`` stays 0 until activation offload exists.
+    The figures are this model's alone: another model in the same process
+    has its own (and its own ``device_memory_limit``).
     """
+    STORE.collect()
     report = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     params = _unique_params(model)
     for param in params:
@@ -73,7 +76,7 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     for opt in live_optimizers():
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
-    report["peak"] = dict(STORE.peak)
+    report["peak"] = dict(STORE.group(params).peak)
     report["buffers"] = {"cpu": STORE.pinned.capacity_bytes if STORE.pinned is not None else 0}
     return report
 
@@ -83,5 +86,8 @@ def _memory_tier(tier: str) -> str:
 
 
 def reset_peak_memory(model: torch.nn.Module | None = None) -> None:
-    """Start a new peak window for ``memory_report(...)["peak"]``."""
-    STORE.reset_peak()
+    """Start a new peak window for ``memory_report(model)["peak"]`` (None: every model's)."""
+    if model is None:
+        STORE.reset_peak()
+    else:
+        STORE.group(_unique_params(model)).reset_peak()

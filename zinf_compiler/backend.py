@@ -60,8 +60,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     STORE.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
-    # The budget the runtime enforces on gathered and in-flight device bytes.
-    STORE.device_memory_limit = options.device_memory_limit
+    STORE.comm.timeout = options.collective_timeout  # the process's collectives: the last compile's setting
     adopted = []
     if options.stage > 0:
         _check_materialized(captured)
@@ -70,8 +69,11 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
+        # This graph's parameters count as one model (with any they were grouped
+        # with before, e.g. by its optimizer), under this compile's device budget.
+        ledger = STORE.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit)
         for position, param in captured.param_tensors.items():
-            record = _adopt(captured, position, param, tile_plans.get(position))
+            record = _adopt(captured, position, param, tile_plans.get(position), ledger)
             if record.tile_rows is not None:
                 captured.tile_rows[position] = record.tile_rows
             adopted.append(record)
@@ -97,12 +99,12 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     return _bind_at_run_time(compiled, captured)
 
 
-def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows):
+def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows, ledger):
     options = captured.options
     return STORE.adopt(
         param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
         param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
-        opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows,
+        opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
     )
 
 
@@ -128,19 +130,24 @@ def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
 
     def bind(args) -> Binding:
         STORE.collect()
-        records = {}
+        records, unseen = {}, []
         for slot in slots:
-            param = args[slot]
-            record = STORE.lookup(param)
+            record = STORE.lookup(args[slot])
             if record is None:
-                record = _adopt_at_run_time(captured, slot, param)
-            elif captured.tile_rows.get(slot) != record.tile_rows:
+                unseen.append(slot)
+                continue
+            if captured.tile_rows.get(slot) != record.tile_rows:
                 raise ZinfStoreError(
                     f"zinf graph {captured.graph_id}: parameter {record.name} is laid out in row tiles "
                     f"{record.tile_rows}, this graph was compiled for {captured.tile_rows.get(slot)}; one parameter "
                     f"used by graphs with different tile plans is not supported (set tile_factor to a fixed value)"
                 )
             records[slot] = record
+        if unseen:
+            ledger = STORE.group([args[slot] for slot in slots],
+                                 device_memory_limit=captured.options.device_memory_limit)
+            for slot in unseen:
+                records[slot] = _adopt_at_run_time(captured, slot, args[slot], ledger)
         return Binding(records, captured.graph_id)
 
     def run(*args):
@@ -158,7 +165,7 @@ def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
     return run
 
 
-def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor):
+def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, ledger):
     options = captured.options
     name = captured.inputs[slot].name
     if param.is_meta:
@@ -167,7 +174,7 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor):
         raise ZinfStoreError(f"zinf: parameter {name} holds no memory and zinf has no record of it; "
                              f"was it sharded by another process or a dropped model?")
     plan_offload([param], options)
-    record = _adopt(captured, slot, param, captured.tile_rows.get(slot))
+    record = _adopt(captured, slot, param, captured.tile_rows.get(slot), ledger)
     if record.tile_rows != captured.tile_rows.get(slot):
         raise ZinfStoreError(
             f"zinf graph {captured.graph_id}: parameter {name} was laid out in row tiles {record.tile_rows}, "

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from zinf_compiler.runtime.aio import AioError
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import STORE, ParamRecord
@@ -57,23 +58,29 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._slots: list[list[_Slot]] = []
         self._nvme_slots: list[tuple[_Slot, int]] = []  # (slot, param group index): state in swap files
         self._nvme: NvmeAdam | None = None
+        self._pending_state: dict | None = None  # loaded before any parameter was sharded (see load_state_dict)
         self._state_bytes = {"device": 0, "cpu": 0}
+        # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
+        self._ledger = STORE.group(p for group in self.param_groups for p in group["params"])
         _LIVE_OPTIMIZERS.add(self)
         # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
-        weakref.finalize(self, _unaccount_state, self._state_bytes)
+        weakref.finalize(self, _unaccount_state, self._state_bytes, self._ledger)
 
     # --- binding to the store ----------------------------------------------------
 
     def _bind(self) -> None:
         if self._inner is not None:
-            for group_slots in self._slots:
-                for slot in group_slots:
-                    if slot.record is None and STORE.lookup(slot.param) is not None:
-                        raise RuntimeError(
-                            "zinf optimizer stepped before the model's first compiled forward: parameters "
-                            "were adopted afterwards; run a forward/backward before the first opt.step()"
-                        )
-            return
+            stale = any(slot.record is None and STORE.lookup(slot.param) is not None
+                        for group_slots in self._slots for slot in group_slots)
+            if not stale:
+                return
+            if self._inner.state or self._nvme is not None and self._nvme.steps:
+                raise RuntimeError(
+                    "zinf optimizer stepped before the model's first compiled forward: parameters "
+                    "were adopted afterwards; run a forward/backward before the first opt.step()"
+                )
+            # Bound early (state_dict() before any forward) with nothing stepped yet: bind again.
+            self._inner, self._slots, self._nvme_slots, self._nvme = None, [], [], None
         inner_groups = []
         for group_index, group in enumerate(self.param_groups):
             group_slots = []
@@ -97,6 +104,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._inner = self._make_inner(inner_groups)
         if self._nvme_slots:
             self._nvme = NvmeAdam(STORE, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
+        pending, self._pending_state = self._pending_state, None
+        if pending is not None:
+            self._load_inner(pending)
 
     def _make_inner(self, inner_groups: list[dict]) -> torch.optim.Optimizer:
         kwargs = {}
@@ -127,14 +137,64 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     # --- the torch.optim.Optimizer interface -------------------------------------
 
+    # Slots whose last step was applied in memory but whose parameters could
+    # not be written to their NVMe swap files; the next step() writes them.
+    _params_unwritten: tuple = ()
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        """One optimizer step.  A failed NVMe swap write never leaves a mix of two steps:
+
+        * A gradient the backward could not write (disk full): the step is
+          refused (:class:`AioError`) before anything changes.  Free space,
+          call ``zero_grad()`` and run the backward again.
+        * A failed write of the optimizer state on NVMe
+          (``offload_optimizer="nvme"``): the step is **not applied**.  Every
+          swap file keeps the previous step (``nvme_copies=2``), and the
+          shards it had updated in memory and its step counts are put back.
+          Free space, then call ``step()`` again (it steps from the same
+          gradients) or ``zero_grad()`` to skip the step.  With
+          ``nvme_copies=1`` the keys it overwrote are lost: the next step
+          refuses with an error saying so.
+        * A failed write of the updated parameters only (``offload_param=
+          "nvme"`` with the optimizer state in memory): the step **is
+          applied** (masters and moments in memory are updated), and the
+          parameters cannot be read until written.  Free space, then call
+          ``step()`` again: it writes them from the masters and does not
+          step again.
+        """
         TRACER.mark("optimizer step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._bind()
+
+        def params_not_written(err: Exception) -> AioError:
+            return AioError(
+                f"opt.step() was applied to the optimizer state in memory, but writing the updated parameters to "
+                f"their NVMe swap files failed, so those parameters cannot be read until they are written: {err} "
+                f"Free space under nvme_path (or point nvme_path at a bigger disk), then call opt.step() again: it "
+                f"writes the parameters from the updated masters and does not step again.")
+
+        if self._params_unwritten:
+            # The last step was applied; only its parameters are missing on disk.
+            unwritten = self._params_unwritten
+            try:
+                with _swap_transaction(slot.record for slot in unwritten):
+                    try:
+                        for slot in unwritten:
+                            STORE.publish(slot.record, slot.master)
+                    finally:
+                        STORE.finish_publish()
+            except AioError as err:
+                raise params_not_written(err) from err
+            self._params_unwritten = ()
+            STORE.refresh_full_params(self._records())
+            self._account_state()
+            trim()
+            TRACER.step_done()
+            return loss
         self._reduce_stage1_grads()
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
@@ -149,17 +209,40 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         if self._nvme is not None:
             # First the state on disk, as one transaction: an I/O error here
-            # leaves every swap file at the last good step, and the in-memory
-            # state has not been touched yet.
+            # leaves every swap file at the last good step (nvme_copies=2), the
+            # inner optimizer's state has not been touched yet, and the shards
+            # it updated in memory are put back below.
             steps_before = dict(self._nvme.steps)
             try:
                 with _swap_transaction(slot.record for slot, _ in self._nvme_slots):
                     self._nvme.step([slot for slot, _ in self._nvme_slots],
                                     [self.param_groups[group_index] for _, group_index in self._nvme_slots])
-            except Exception:
+            except Exception as err:
                 self._nvme.steps = steps_before
+                try:
+                    self._nvme.restore_memory_shards()
+                except AioError as restore_err:  # nvme_copies=1: the previous masters may be lost too
+                    err.add_note(f"The parameters kept in memory could not be put back to the previous step, "
+                                 f"so the model's state is unusable: {restore_err}")
                 raise
-        self._step_and_publish()
+        try:
+            self._step_and_publish()
+        except AioError as err:
+            # The in-memory step is complete (failed writes inside the transaction
+            # only surface at its end); the parameters on disk are the previous
+            # step's: make them unreadable until the next step() writes them.
+            unwritten = tuple(slot for slot in self._memory_slots() if slot.record is not None
+                              and slot.record.stage > 0 and slot.record.param_tier == "nvme"
+                              and slot.record.owns_state)
+            if not unwritten:
+                raise
+            reason = ("opt.step() updated it in memory but could not write it (see the error that step raised); "
+                      "call opt.step() again once nvme_path has space: it writes the parameters, without stepping")
+            for slot in unwritten:
+                for key, _, _ in slot.record.swap_layout():
+                    slot.record.swap.invalidate(key, reason)
+            self._params_unwritten = unwritten
+            raise params_not_written(err) from err
         STORE.refresh_full_params(self._records())
         self._account_state()
         if any(r.param_tier != "device" or r.opt_tier != "device" for r in self._records()):
@@ -239,7 +322,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 sharded_sq += squared  # each element lives on exactly one rank
             else:
                 replicated_sq += squared  # every rank holds the same full gradient
-        STORE.comm.all_reduce_sum(sharded_sq)
+        STORE.comm.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)")
         total_norm = (sharded_sq + replicated_sq).sqrt().to(torch.float32)
         clip_coef = float(max_norm) / (total_norm.item() + 1e-6)
         if clip_coef < 1.0:
@@ -262,7 +345,6 @@ class ZinfOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._bind()
         state_dict = dict(state_dict)
         saved = state_dict.pop("zinf", None)
         if saved is not None and saved["world_size"] != STORE.comm.world_size:
@@ -270,6 +352,16 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 f"optimizer state was saved at world size {saved['world_size']}, this run has "
                 f"{STORE.comm.world_size}; per-rank optimizer shards only load into the same world size"
             )
+        if self._inner is None and not any(STORE.lookup(p) is not None
+                                           for group in self.param_groups for p in group["params"]):
+            # Before the model's first compiled call nothing is sharded yet: the state
+            # belongs to shards that do not exist.  Load it when the optimizer binds.
+            self._pending_state = state_dict
+            return
+        self._bind()
+        self._load_inner(state_dict)
+
+    def _load_inner(self, state_dict: dict[str, Any]) -> None:
         self._inner.load_state_dict(state_dict)
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
             outer.update({k: v for k, v in inner.items() if k != "params"})
@@ -306,13 +398,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _account_state(self) -> None:
         held = self.state_bytes()
         for tier in ("device", "cpu"):
-            STORE.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier])
+            STORE.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier], ledger=self._ledger.root())
             self._state_bytes[tier] = held[tier]
 
 
-def _unaccount_state(state_bytes: dict[str, int]) -> None:
+def _unaccount_state(state_bytes: dict[str, int], ledger) -> None:
     for tier, nbytes in state_bytes.items():
-        STORE.add_optimizer_bytes(tier, -nbytes)
+        STORE.add_optimizer_bytes(tier, -nbytes, ledger=ledger.root())
         state_bytes[tier] = 0
 
 

@@ -155,6 +155,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "copies of each swap file: 2 keeps the last good step through a failed write, 1 halves the disk"),
     OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
                "size of the reused pinned buffer pool"),
+    OptionSpec("collective_timeout", 600, _int_at_least(1),
+               "seconds a collective waits for the other ranks before an error naming it (gloo; NCCL "
+               "uses the process group's timeout)"),
     OptionSpec("lower", "inductor", _choice("inductor", "eager"),
                "how rewritten graphs run: Inductor, or the FX graph's own Python code"),
     OptionSpec("dump_dir", None, _path_or_none, "write inspection dumps here"),
@@ -197,6 +200,7 @@ class ZinfOptions:
     aio_threads: int
     nvme_copies: int
     pinned_bytes: int | str
+    collective_timeout: int
     lower: str
     dump_dir: str | None
     trace_step: int
