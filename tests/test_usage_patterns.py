@@ -261,6 +261,15 @@ def test_stage_true_is_refused():
         torch.compile(seeded(mlp, 0), backend="zinf", options={"stage": True})(batches()[0])
 
 
+def test_an_optimizer_over_a_meta_model_names_materialize():
+    # The usual loop makes the optimizer before the first forward: the error comes there.
+    with torch.device("meta"):
+        model = mlp()
+    torch.compile(model, backend="zinf", options=EAGER3)
+    with pytest.raises(ValueError, match=r"on the meta device .* zinf_compiler.materialize\(model, options"):
+        zinf.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def test_a_meta_model_without_materialize_names_materialize():
     # With real inputs Dynamo itself stops first ("Tensor device mismatch ... cpu and meta", see
     # the README); when the graph reaches zinf, its error says what to do.

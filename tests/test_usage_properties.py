@@ -23,7 +23,7 @@ from usage import Pair, train_interleaved
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("thorough", max_examples=150, deadline=None,
+settings.register_profile("thorough", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -127,7 +127,11 @@ def test_drawn_models_train_like_eager(spec, data, instances, shapes, tmp_path_f
         pairs.append(Pair(GrammarModel(spec), options, **optimizer))
     generator = torch.Generator().manual_seed(len(shapes))
     batches = [torch.randn(rows, length, WIDTH, generator=generator) for rows, length in shapes]
-    losses = train_interleaved(pairs, batches, steps=len(batches))
+    # Blocks that differ in where they break and shapes of size 1 (specialized) give each
+    # block's code object many guarded variants: more than Dynamo's default limit of 8 is
+    # expected here, and the property is about results, not recompiles.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        losses = train_interleaved(pairs, batches, steps=len(batches))
     for index, (pair, pair_losses) in enumerate(zip(pairs, losses)):
         pair.assert_equal(pair_losses, f"instance {index} of {spec}, {options}, shapes {shapes}")
         for (name, eager_buffer), (_, zinf_buffer) in zip(pair.eager.named_buffers(), pair.zinf_model.named_buffers()):

@@ -54,6 +54,14 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, **defaults: Any):
         super().__init__(params, defaults)
+        meta = [p for group in self.param_groups for p in group["params"] if p.is_meta]
+        if meta:
+            # Usually made before the first forward: the place to say it, before Dynamo
+            # stops at a generic device mismatch between meta weights and real inputs.
+            raise ValueError(
+                f"{len(meta)} parameter(s) given to {type(self).__name__} are on the meta device (the model was built "
+                f"under `with torch.device('meta')`): call zinf_compiler.materialize(model, options, init_fn=...) "
+                f"before torch.compile, to build them straight into their shards")
         self._inner: torch.optim.Optimizer | None = None
         self._slots: list[list[_Slot]] = []
         self._nvme_slots: list[tuple[_Slot, int]] = []  # (slot, param group index): state in swap files
