@@ -70,11 +70,26 @@ def active() -> bool:
 def bound(binding: Binding) -> Iterator[None]:
     """Make ``binding`` current on this thread for the block (nests)."""
     previous = getattr(_local, "binding", None)
-    _local.binding = binding
+    _set(binding)
     try:
         yield
     finally:
-        _local.binding = previous
+        _set(previous)
+
+
+# Told whenever a binding starts or ends (runtime/resting.py: its guard is off while a graph runs).
+_listeners: list = []
+
+
+def on_change(listener) -> None:
+    """Call ``listener(active: bool)`` whenever this thread's binding starts or ends."""
+    _listeners.append(listener)
+
+
+def _set(binding: "Binding | None") -> None:
+    _local.binding = binding
+    for listener in _listeners:
+        listener(binding is not None)
 
 
 def bind_backward(outputs: Any, binding: Binding) -> int:
@@ -97,13 +112,13 @@ def bind_backward(outputs: Any, binding: Binding) -> int:
 
 def _enter(binding: Binding):
     def prehook(grad_outputs):
-        _local.binding = binding
+        _set(binding)
 
     return prehook
 
 
 def _leave(grad_inputs, grad_outputs):
-    _local.binding = None
+    _set(None)
 
 
 # How far from an output's grad_fn the call's own node may sit: AOTAutograd
