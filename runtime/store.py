@@ -106,6 +106,8 @@ class ParamRecord:
     device: torch.device = torch.device("cpu")  # the compute device (where gathered parameters live)
     full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
     _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
+    # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
+    synced_version: int = 0
 
     @property
     def ledger(self) -> "Ledger":
@@ -480,7 +482,7 @@ class ParamStore:
                                  owner=owner, local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
                                  shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows,
                                  tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
-                                 param_id=id(param),
+                                 param_id=id(param), synced_version=param._version,
                                  _ledger=ledger or self._ledger_for(param) or Ledger())
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
@@ -536,7 +538,7 @@ class ParamStore:
                     param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
 
     def assign_full(self, record: ParamRecord, value: torch.Tensor) -> None:
-        """Write a full new value of a stage-3 parameter into this rank's shard and master, on their tiers.
+        """Write a full new value of a parameter into this rank's shard and master, on their tiers.
 
         What ``param.copy_(value)`` (``model.load_state_dict``) does on a
         resting parameter.  No collective: each rank takes its own slice of
@@ -1174,6 +1176,22 @@ class ParamStore:
             full = self.gather_wait(record)
             record.param.data.copy_(full)
             self.release(record)
+
+    def sync_written_params(self, records: Iterable[ParamRecord]) -> None:
+        """Stages 1-2: carry in-place writes to a full parameter (``load_state_dict``, ``nn.init``,
+        ``p.mul_()`` under no_grad) into its shard and master, before the optimizer steps them.
+
+        Such writes bump the parameter's version counter; zinf's own refresh
+        writes through ``.data``, which does not.  (Writes through ``.data``
+        by the user are not seen.)
+        """
+        for record in records:
+            if record.stage not in (1, 2):
+                continue
+            param = record.param
+            if param._version != record.synced_version:
+                self.assign_full(record, param.detach())
+                record.synced_version = param._version
 
     def full_param(self, record: ParamRecord) -> torch.Tensor:
         """A full copy of the parameter's current value (collective: every rank must call)."""

@@ -112,8 +112,13 @@ def input_shapes(draw_from=st.integers) -> st.SearchStrategy:
     return st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=2, max_size=3)
 
 
-@given(spec=model_specs(), data=st.data(), instances=st.integers(1, 3), shapes=input_shapes())
-def test_drawn_models_train_like_eager(spec, data, instances, shapes, tmp_path_factory):
+# What a user may do between two training steps, to both models alike.
+BETWEEN_STEPS = ("nothing", "inference", "load_state_dict")
+
+
+@given(spec=model_specs(), data=st.data(), instances=st.integers(1, 3), shapes=input_shapes(),
+       between=st.sampled_from(BETWEEN_STEPS))
+def test_drawn_models_train_like_eager(spec, data, instances, shapes, between, tmp_path_factory):
     nvme_path = str(tmp_path_factory.mktemp("swap"))
     options = data.draw(option_sets(nvme_path))
     torch._dynamo.reset()
@@ -131,8 +136,24 @@ def test_drawn_models_train_like_eager(spec, data, instances, shapes, tmp_path_f
     # block's code object many guarded variants: more than Dynamo's default limit of 8 is
     # expected here, and the property is about results, not recompiles.
     with torch._dynamo.config.patch(recompile_limit=64):
-        losses = train_interleaved(pairs, batches, steps=len(batches))
+        losses = train_interleaved(pairs, batches, steps=1)
+        for pair in pairs:
+            _between_steps(pair, between, batches[0])
+        more = train_interleaved(pairs, batches[1:], steps=len(batches) - 1)
     for index, (pair, pair_losses) in enumerate(zip(pairs, losses)):
-        pair.assert_equal(pair_losses, f"instance {index} of {spec}, {options}, shapes {shapes}")
+        pair_losses = pair_losses + more[index]
+        pair.assert_equal(pair_losses, f"instance {index} of {spec}, {options}, shapes {shapes}, then {between}")
         for (name, eager_buffer), (_, zinf_buffer) in zip(pair.eager.named_buffers(), pair.zinf_model.named_buffers()):
             torch.testing.assert_close(zinf_buffer, eager_buffer, msg=f"buffer {name}")
+
+
+def _between_steps(pair: Pair, between: str, x: torch.Tensor) -> None:
+    if between == "inference":
+        with torch.inference_mode():
+            torch.testing.assert_close(pair.compiled(x), pair.eager(x), rtol=1e-5, atol=1e-6)
+    elif between == "load_state_dict":
+        # New weights into the trained models (stage 3: written into the shards).
+        state = {name: value.detach() * 0.5 + 0.01 for name, value in pair.eager.state_dict().items()
+                 if value.is_floating_point()}
+        pair.eager.load_state_dict(state, strict=False)
+        pair.zinf_model.load_state_dict(state, strict=False)

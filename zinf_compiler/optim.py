@@ -203,6 +203,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             trim()
             TRACER.step_done()
             return loss
+        STORE.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
         self._reduce_stage1_grads()
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
