@@ -491,7 +491,8 @@ class ParamStore:
             # The callback runs when the parameter is collected; it must not hold the parameter.
             self._by_param[id(param)] = _ParamRef(param, functools.partial(self._forget_param, uid), uid)
             record.full_storage_bytes = _nbytes(param)
-            self._add_resting("device", record.full_storage_bytes, ledger=record.ledger)  # until release_full_storage (stage 3)
+            self._add_resting("device", record.full_storage_bytes,
+                              ledger=record.ledger)  # until release_full_storage (stage 3)
             self._place_shard(record, local)
             self._place_master(record, local)
             return record
@@ -752,7 +753,8 @@ class ParamStore:
         after this op (the generated code frees values after their last use).
         """
         if tile is not None:
-            self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize, ledger=record.ledger)
+            self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize,
+                                ledger=record.ledger)
             return
         self._add_transient("device", -record.gathered_numel * record.compute_dtype.itemsize, ledger=record.ledger)
 
@@ -839,7 +841,8 @@ class ParamStore:
         shard_tile = self._local_tile_on_device(record, tile)
         numel = record.tile_gathered_numel(tile)
         if self._is_whole(record, shard_tile, numel):
-            self._add_transient("device", _nbytes(shard_tile), what=self._tile_what("gather_start", record, tile), ledger=record.ledger)
+            self._add_transient("device", _nbytes(shard_tile), what=self._tile_what("gather_start", record, tile),
+                                ledger=record.ledger)
             queue.append((_DONE, shard_tile, shard_tile))
             return
         self._add_transient("device", numel * record.compute_dtype.itemsize,
@@ -879,14 +882,16 @@ class ParamStore:
             flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
         if record.partition == "allgather":
             staged_bytes = (record.tile_gathered_numel(tile) + record.tile_shard_numel(tile)) * record.compute_dtype.itemsize
-            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile), ledger=record.ledger)
+            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile),
+                                ledger=record.ledger)
             staging = torch.zeros(record.tile_gathered_numel(tile), dtype=record.compute_dtype, device=grad.device)
             staging[: flat_grad.numel()].copy_(flat_grad)
             out = torch.empty(record.tile_shard_numel(tile), dtype=record.compute_dtype, device=grad.device)
             work = self.comm.reduce_scatter_avg(out, staging, f"reduce_scatter of the gradient of {record.name}")
         else:
             staged_bytes = flat_grad.numel() * record.compute_dtype.itemsize
-            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile), ledger=record.ledger)
+            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile),
+                                ledger=record.ledger)
             staging = out = flat_grad.to(record.compute_dtype, copy=True)
             work = self.comm.reduce_sum(staging, dst=record.owner, what=f"reduce of the gradient of {record.name}")
         queue.append((work, out, staged_bytes))
@@ -964,7 +969,8 @@ class ParamStore:
             grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
             out = flat_grad.to(device=grad_device, dtype=torch.float32, copy=True)
             record._reduces.append((_DONE, out, out, True))
-            self._add_transient("device", _nbytes(out), what=f"reduce_grad_start of {record.name}", ledger=record.ledger)
+            self._add_transient("device", _nbytes(out), what=f"reduce_grad_start of {record.name}",
+                                ledger=record.ledger)
             return
         if record.compute_dtype == torch.float16:
             flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
@@ -997,7 +1003,8 @@ class ParamStore:
             raise ZinfStoreError(f"reduce_grad_wait for {record.name} without a reduce_grad_start")
         work, out, staging, private = record._reduces.pop(0)
         work.wait()
-        self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)), ledger=record.ledger)
+        self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)),
+                            ledger=record.ledger)
         if record.partition == "broadcast":
             if record.rank != record.owner:
                 return
