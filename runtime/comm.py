@@ -131,6 +131,18 @@ class Comm:
         if self.world_size > 1:
             self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), "rs", 0, what).wait()
 
+    def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
+        """Every rank's ``obj`` (small, picklable), in rank order; ``[obj]`` at world size 1.
+
+        Used to agree on outcomes (a checkpoint written or verified on every
+        rank) so that all ranks raise the same error, not one rank alone.
+        """
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast"):
         """Start sending ``tensor`` from rank ``src`` to every rank, in place."""
         nbytes = tensor.numel() * tensor.element_size()

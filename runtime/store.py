@@ -22,7 +22,7 @@ import queue
 import threading
 import weakref
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -125,6 +125,11 @@ class ParamRecord:
         return self.shape.numel()
 
     @property
+    def holding_dtype(self) -> torch.dtype:
+        """The dtype of the master and of a checkpoint's values: fp32, or an integer parameter's own."""
+        return self.dtype if not self.dtype.is_floating_point else torch.float32
+
+    @property
     def trainable(self) -> bool:
         param = self.param_ref()
         return param is not None and param.requires_grad
@@ -199,6 +204,30 @@ class ParamRecord:
             start, _ = self.tile_local_range(tile)
             layout.append((f"{self.param_key}.t{tile}", start, self.tile_slot_numel(tile)))
         return layout
+
+    def owned_ranges(self) -> list[tuple[int, int, int]]:
+        """Which elements of the flat parameter this rank's shard holds, whatever the layout.
+
+        ``(first, stop, local_start)``: elements ``first:stop`` of the
+        parameter (row-major) sit at ``local_start`` in the local shard,
+        master and optimizer moments; padding belongs to no range.  What a
+        checkpoint records, so that another world size or layout can read it.
+        """
+        if self.partition == "broadcast":
+            return [(0, self.numel, 0)] if self.rank == self.owner else []
+        if self.tile_rows is None:
+            first = self.rank * self.shard_numel
+            stop = min(first + self.shard_numel, self.numel)
+            return [(first, stop, 0)] if stop > first else []
+        ranges = []
+        for tile in range(len(self.tile_rows)):
+            tile_first = self.tile_row_range(tile)[0] * self.row_numel
+            slice_numel = self.tile_shard_numel(tile)
+            first = tile_first + self.rank * slice_numel
+            stop = min(first + slice_numel, tile_first + self.tile_numel(tile))
+            if stop > first:
+                ranges.append((first, stop, self.tile_local_range(tile)[0]))
+        return ranges
 
 
 _UNSET = object()
@@ -424,7 +453,8 @@ class ParamStore:
 
     def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
               param_tier: str = "device", opt_tier: str = "device",
-              tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None) -> ParamRecord:
+              tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
+              read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
@@ -434,6 +464,11 @@ class ParamStore:
         its first layout (read it back from the record's ``tile_rows``).
         ``ledger``: the model whose bytes it counts in (default: the group it
         was put in by :meth:`group`, else a ledger of its own).
+        ``read_local``: where this rank's slice comes from instead of the
+        parameter's own values (``materialize`` from a weights file): called
+        with the new record, it returns the local slice (see
+        :meth:`ParamRecord.owned_ranges`) in ``record.holding_dtype``; the
+        parameter's memory is never read, and nothing is broadcast.
 
         The store holds the parameter only weakly: when it is garbage-collected
         (its model and optimizer dropped), its shards, gradients, swap files and
@@ -466,24 +501,35 @@ class ParamStore:
             tile_rows = None if exact else _tile_rows(tile_rows, param)
             tile_align = (4096 // compute_dtype.itemsize
                           if tile_rows is not None and param_tier == "nvme" and partition == "allgather" else 1)
-            full = param.detach()
-            if world_size > 1:
-                # Like DDP: every rank starts from rank 0's values.
-                self.comm.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)").wait()
-            flat = full.reshape(-1)
             owner = None
             if partition == "broadcast":
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
-                self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + flat.numel()
-            local = _local_slice(flat, holding_dtype, partition, owner, tile_rows, world_size, rank, tile_align)
+                self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + param.numel()
             uid = next(self._uids)
             record = ParamRecord(uid=uid, name=name, param_ref=weakref.ref(param), stage=stage,
                                  partition=partition, compute_dtype=compute_dtype, world_size=world_size, rank=rank,
-                                 owner=owner, local_numel=local.numel(), param_tier=param_tier, opt_tier=opt_tier,
-                                 shard=local.new_empty(0, dtype=compute_dtype), tile_rows=tile_rows,
+                                 owner=owner, local_numel=0, param_tier=param_tier, opt_tier=opt_tier,
+                                 shard=torch.empty(0, dtype=compute_dtype), tile_rows=tile_rows,
                                  tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
                                  param_id=id(param), synced_version=param._version,
                                  _ledger=ledger or self._ledger_for(param) or Ledger())
+            if partition == "allgather":
+                record.local_numel = record.shard_numel
+            elif rank == owner:
+                record.local_numel = record.numel
+            if read_local is not None:
+                local = read_local(record)
+                if local.numel() != record.local_numel or local.dtype != holding_dtype:
+                    raise ZinfStoreError(f"{name}: read_local gave {local.numel()} {local.dtype} elements for a "
+                                         f"shard of {record.local_numel} {holding_dtype}")
+            else:
+                full = param.detach()
+                if world_size > 1:
+                    # Like DDP: every rank starts from rank 0's values.
+                    self.comm.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)").wait()
+                local = _local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
+                                     tile_align)
+            record.shard = local.new_empty(0, dtype=compute_dtype)
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
@@ -549,24 +595,60 @@ class ParamStore:
         if tuple(value.shape) != tuple(record.shape):
             raise ZinfStoreError(f"cannot copy a {tuple(value.shape)} tensor into parameter {record.name} "
                                  f"of shape {tuple(record.shape)}")
-        exact = not record.dtype.is_floating_point
-        holding_dtype = record.dtype if exact else torch.float32
         flat = value.detach().to(device=record.device, dtype=record.dtype).reshape(-1)
-        local = _local_slice(flat, holding_dtype, record.partition, record.owner, record.tile_rows,
-                             record.world_size, record.rank, record.tile_align)
+        self.assign_local(record, _local_slice(flat, record.holding_dtype, record.partition, record.owner,
+                                               record.tile_rows, record.world_size, record.rank, record.tile_align))
+
+    def assign_local(self, record: ParamRecord, local: torch.Tensor) -> None:
+        """Write this rank's new slice (local layout, ``record.holding_dtype``) into its shard and master.
+
+        The shard takes it in compute dtype on the parameter tier; the fp32
+        master (memory or swap files) takes it as it is.
+        """
+        if local.numel() != record.local_numel:
+            raise ZinfStoreError(f"{record.name}: a local slice of {local.numel()} elements for a shard of "
+                                 f"{record.local_numel}")
         if record.param_tier == "nvme":
             if record.owns_state:
                 for key, start, numel in record.swap_layout():
                     self._write_swap(record.swap, key, local[start : start + numel].to(record.compute_dtype))
         else:
             record.shard.copy_(local)
-        if record.stage == 0 or exact:
+        if record.stage == 0 or not record.dtype.is_floating_point:
             return
         if record.opt_tier == "nvme":
             if record.owns_state and record.trainable:
-                write_initial_master(self, record, local)
+                write_initial_master(self, record, local.to(torch.float32))
         elif record.master is not None and record.master is not record.shard:
             record.master.copy_(local)
+
+    def local_value_chunks(self, record: ParamRecord, chunk_numel: int = SUB_GROUP_NUMEL):
+        """This rank's slice of the parameter's value, streamed: ``(local_start, tensor on the CPU)`` in order.
+
+        The most precise copy there is: the fp32 master (in memory or its
+        swap files), else the shard (compute dtype on its tier) in
+        ``record.holding_dtype``.  Never more than one chunk (or one swap
+        key) in memory at a time.
+        """
+        dtype = record.holding_dtype
+        if record.master is not None:
+            source = record.master
+        elif (record.opt_tier == "nvme" and record.stage > 0 and record.dtype.is_floating_point
+              and record.owns_state and record.trainable):
+            for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
+                yield start, self._read_swap(record.swap, state_key("master", record.uid, index), torch.float32,
+                                             stop - start, torch.device("cpu"))
+            return
+        elif record.param_tier == "nvme":
+            if record.owns_state:
+                for key, start, numel in record.swap_layout():
+                    piece = self._read_swap(record.swap, key, record.compute_dtype, numel, torch.device("cpu"))
+                    yield start, piece.to(dtype)
+            return
+        else:
+            source = record.shard
+        for start in range(0, source.numel(), chunk_numel):
+            yield start, source[start : start + chunk_numel].to(device="cpu", dtype=dtype)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
         """The record of ``param`` (this very tensor object, alive), or None if it was never adopted."""

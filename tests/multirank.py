@@ -18,8 +18,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600) -> list:
-    """Run ``python tests/<worker>.py`` as ``world_size`` ranks; return each rank's JSON result."""
+def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600, killed_ok: bool = False) -> list:
+    """Run ``python tests/<worker>.py`` as ``world_size`` ranks; return each rank's JSON result.
+
+    ``killed_ok``: ranks that SIGKILLed themselves (a crash test) are not
+    failures; their result is None.
+    """
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         procs = []
@@ -44,7 +48,7 @@ def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600) ->
                     other.kill()
                 code = "timeout"
             log.close()
-            if code != 0:
+            if code != 0 and not (killed_ok and code == -9):
                 failures.append((rank, code))
         if failures:
             logs = "\n".join(
@@ -52,4 +56,5 @@ def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600) ->
                 for rank, code in failures
             )
             raise AssertionError(f"ranks failed: {failures}\n{logs}")
-        return [json.load(open(os.path.join(folder, f"rank{rank}.json"))) for rank in range(world_size)]
+        outs = [os.path.join(folder, f"rank{rank}.json") for rank in range(world_size)]
+        return [json.load(open(out)) if os.path.exists(out) else None for out in outs]

@@ -8,12 +8,18 @@ importing this package (the backend is registered through the
 from . import optim
 from .api import full_state_dict, memory_report, reset_peak_memory
 from .backend import register, zinf_backend
+from .checkpoint import ZinfCheckpointError, export, latest, load, save
 from .materialize import materialize
 from .options import ZinfOptionError, ZinfOptions, describe_options, parse_options
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ZinfCheckpointError",
+    "export",
+    "latest",
+    "load",
+    "save",
     "full_state_dict",
     "materialize",
     "memory_report",

@@ -67,6 +67,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._nvme_slots: list[tuple[_Slot, int]] = []  # (slot, param group index): state in swap files
         self._nvme: NvmeAdam | None = None
         self._pending_state: dict | None = None  # loaded before any parameter was sharded (see load_state_dict)
+        # zinf.load's checkpoint (and parameter names): applied when the optimizer binds, and
+        # again if it binds anew before its first step (parameters adopted after the load).
+        self._checkpoint = None
+        self._checkpoint_applied = False
         self._state_bytes = {"device": 0, "cpu": 0}
         # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
         self._ledger = STORE.group(p for group in self.param_groups for p in group["params"])
@@ -77,18 +81,42 @@ class ZinfOptimizer(torch.optim.Optimizer):
     # --- binding to the store ----------------------------------------------------
 
     def _bind(self) -> None:
+        self._bind_slots()
+        if self._checkpoint is not None and not self._checkpoint_applied:
+            from zinf_compiler.checkpoint import apply_optimizer_state
+
+            apply_optimizer_state(self, *self._checkpoint)
+            self._checkpoint_applied = True
+
+    def _attach_checkpoint(self, checkpoint, names: dict[int, str]) -> None:
+        """``zinf.load``: take ``checkpoint``'s state at the next bind (kept until the first step)."""
+        if self._checkpoint is not None:
+            self._checkpoint[0].close()
+        self._checkpoint = (checkpoint, names)
+        self._checkpoint_applied = False
+        self._pending_state = None
+
+    def _drop_checkpoint(self) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint[0].close()
+            self._checkpoint = None
+
+    def _bind_slots(self) -> None:
         if self._inner is not None:
             stale = any(slot.record is None and STORE.lookup(slot.param) is not None
                         for group_slots in self._slots for slot in group_slots)
             if not stale:
                 return
-            if self._inner.state or self._nvme is not None and self._nvme.steps:
+            stepped = self._inner.state or self._nvme is not None and self._nvme.steps
+            if stepped and self._checkpoint is None:
                 raise RuntimeError(
                     "zinf optimizer stepped before the model's first compiled forward: parameters "
                     "were adopted afterwards; run a forward/backward before the first opt.step()"
                 )
-            # Bound early (state_dict() before any forward) with nothing stepped yet: bind again.
+            # Bound early (state_dict() before any forward) with nothing stepped yet: bind again
+            # (a loaded checkpoint is applied again, to the new binding).
             self._inner, self._slots, self._nvme_slots, self._nvme = None, [], [], None
+            self._checkpoint_applied = False
         inner_groups = []
         for group_index, group in enumerate(self.param_groups):
             group_slots = []
@@ -177,6 +205,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._bind()
+        self._drop_checkpoint()  # bound at a step: the binding is final, the loaded state is in it
 
         def params_not_written(err: Exception) -> AioError:
             return AioError(
