@@ -4,6 +4,7 @@
     python examples/train_gpt.py --steps 50 --lower eager
     python examples/train_gpt.py --offload cpu         # state in CPU memory instead of NVMe swap files
     torchrun --nproc-per-node 2 examples/train_gpt.py  # 2 ranks, gloo on CPU
+    python examples/train_gpt.py --checkpoint-dir ckpt --save-every 100     # then again with --resume
 
 The text is generated here (seeded sentences from a fixed vocabulary), so the
 run needs no download. The model, the optimizer and the loop are plain
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--sample-tokens", type=int, default=60, help="bytes to generate after training")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save a checkpoint here every --save-every steps (zinf.save: each rank its shards)")
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--export", default=None,
+                        help="after training, write consolidated weights here (model.safetensors)")
     args = parser.parse_args(argv)
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -132,10 +139,22 @@ def main(argv: list[str] | None = None) -> int:
 
     generator = torch.Generator().manual_seed(args.seed + rank)
     stream = batches(data, args.block_size, args.batch_size, generator)
+    first_step = 1
+    if args.resume:
+        if not args.checkpoint_dir or zinf.latest(args.checkpoint_dir) is None:
+            print(f"error: --resume: no complete checkpoint in --checkpoint-dir {args.checkpoint_dir!r}",
+                  file=sys.stderr)
+            return 2
+        path = zinf.latest(args.checkpoint_dir)
+        extra = zinf.load(path, compiled, opt)
+        schedule.load_state_dict(extra["schedule"])
+        generator.set_state(extra["data_generator"][rank])
+        first_step = extra["step"] + 1
+        say(f"resumed from {path} at step {first_step}")
     first_loss = None
     started = last_log = time.perf_counter()
     tokens_since_log = 0
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         idx, targets = next(stream)
         loss = compiled(idx.to(device), targets.to(device))
         loss.backward()
@@ -146,7 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         tokens_since_log += idx.numel() * world
         loss_value = loss.item()
         first_loss = loss_value if first_loss is None else first_loss
-        if step == 1:
+        if args.checkpoint_dir and step % args.save_every == 0:
+            # Each rank's data order is its own generator: every rank's state goes in (gathered to all).
+            generators = [None] * world
+            if world > 1:
+                dist.all_gather_object(generators, generator.get_state())
+            else:
+                generators = [generator.get_state()]
+            zinf.save(os.path.join(args.checkpoint_dir, f"step-{step:06d}"), compiled, opt,
+                      extra={"step": step, "schedule": schedule.state_dict(), "data_generator": generators})
+        if step == first_step:
             say(f"first step (includes compiling) took {time.perf_counter() - started:.1f}s")
             last_log, tokens_since_log = time.perf_counter(), 0
         elif step % args.log_every == 0 or step == args.steps:
@@ -176,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         f"two Adam moments)")
     say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
         f"{time.perf_counter() - started:.0f}s in all")
+    if args.export:
+        zinf.export(args.export, compiled)
+        say(f"weights written to {args.export}/model.safetensors")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -24,7 +24,8 @@ each key is one file in it (mode 0600), opened with ``O_DIRECT`` so the page
 cache is bypassed.  A filesystem that refuses ``O_DIRECT`` (tmpfs) gets
 buffered I/O with ``posix_fadvise(DONTNEED)`` instead; ``engine.direct``
 says which.  The folder is removed by ``close()``, when the engine is
-garbage collected, and at interpreter exit (never by a forked child).  A
+garbage collected, at interpreter exit (SIGINT included) and on a SIGTERM
+that would end the process (never by a forked child).  A
 killed process removes nothing, so each new engine first removes the
 folders under ``folder`` left by processes that no longer exist.
 Swap files are scratch for this process: nothing is fsync-ed.
@@ -75,6 +76,7 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import tempfile
@@ -509,6 +511,37 @@ def _shutdown(state: _State) -> None:
                 key.fd = None
         state.open_files.clear()
     shutil.rmtree(state.folder, ignore_errors=True)
+    _LIVE_FOLDERS.pop(id(state), None)
+
+
+# --- SIGTERM: remove the swap folders before dying -------------------------------------
+# SIGINT raises KeyboardInterrupt, so the interpreter exits and the finalizers
+# run; SIGTERM's default action (torchrun's way of stopping the other ranks
+# when one fails, and a scheduler's) ends the process at once, leaving every
+# swap folder behind until the next start.  While a swap folder exists, a
+# SIGTERM that would kill the process first removes them.
+
+_LIVE_FOLDERS: dict[int, str] = {}  # id(state) -> swap folder of this process's open engines
+_SIGTERM_INSTALLED = False
+
+
+def _remove_folders_then_die(signum, frame) -> None:
+    # No locks, no joins: the signal may arrive inside any critical section.  Open
+    # files of unlinked swap keys just vanish when the process ends right after.
+    for folder in list(_LIVE_FOLDERS.values()):
+        shutil.rmtree(folder, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _watch_sigterm() -> None:
+    """Install the SIGTERM cleanup once, only over the default action (a user's own handler is kept)."""
+    global _SIGTERM_INSTALLED
+    if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _remove_folders_then_die)
+    _SIGTERM_INSTALLED = True
 
 
 # --- swap folders left by killed runs ---------------------------------------------------
@@ -747,6 +780,8 @@ class AioEngine:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
         self._state = _State(self.folder, self.direct, self.block_size, queue_depth, copies)
+        _LIVE_FOLDERS[id(self._state)] = self.folder
+        _watch_sigterm()
         # Registered before the threads start, so an error below still removes the folder.
         self._finalizer = weakref.finalize(self, _finalize, self._state)
         for index in range(threads):

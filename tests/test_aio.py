@@ -3,6 +3,7 @@
 import errno
 import os
 import pathlib
+import signal
 import stat
 
 import pytest
@@ -599,3 +600,27 @@ def test_stale_swap_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp
         live.communicate("", timeout=30)
     assert live.returncode == 0
     assert not os.path.exists(live_folder)  # its own exit removed it
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_swap_folder_is_removed_when_the_process_is_terminated_or_interrupted(signum, tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import mmap, sys
+        from zinf_compiler.runtime.aio import AioEngine
+        engine = AioEngine({str(tmp_path)!r})
+        engine.write("k", mmap.mmap(-1, 4096), 10).wait()
+        print(engine.folder, flush=True)
+        sys.stdin.read()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    folder = child.stdout.readline().strip()
+    assert os.path.isfile(os.path.join(folder, "k.swap")) or os.listdir(folder), folder
+    child.send_signal(signum)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signum, err  # SIGINT: KeyboardInterrupt, exit code -2 once finalizers ran
+    assert not os.path.exists(folder)

@@ -757,13 +757,3 @@ def _gathered(record: ParamRecord):
         yield full
     finally:
         STORE.release(record)
-
-
-# Used by materialize(weights=...) and tests: read the local slice of a tensor from safetensors.
-def read_safetensors_local(tensor, record: ParamRecord, reader: RangeReader) -> torch.Tensor:
-    """This rank's slice (``record.owned_ranges``) of a safetensors tensor, in ``record.holding_dtype``."""
-    local = torch.zeros(record.local_numel, dtype=record.holding_dtype)
-    for first, stop, local_start in record.owned_ranges():
-        local[local_start : local_start + stop - first].copy_(tensor.read(reader, first, stop))
-    return local
-

@@ -28,7 +28,9 @@ with ``model.apply(init_fn)``.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping
 
@@ -37,6 +39,7 @@ import torch
 from .backend import TIERS, plan_offload
 from .options import parse_options
 from .runtime.aio import human_bytes
+from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
 from .runtime.host_memory import trim
 from .runtime.store import DTYPES, STORE
 
@@ -45,11 +48,21 @@ log = logging.getLogger("zinf")
 
 def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None,
                 init_fn: Callable[[torch.nn.Module], None] | None = None, device: torch.device | str | None = None,
-                progress: bool = True) -> torch.nn.Module:
+                progress: bool = True, weights: str | os.PathLike | None = None) -> torch.nn.Module:
     """Allocate, initialize and shard ``model``'s meta-device parameters module by module; returns ``model``.
 
     ``device``: the compute device the parameters belong to (where gathers
     put them); default the current CUDA device if there is one, else the CPU.
+
+    ``weights``: a safetensors file, or a folder of them (a sharded
+    Hugging Face checkpoint with its ``*.safetensors.index.json``), holding
+    the model's state-dict names.  Each rank reads, for every parameter, only
+    the element range its shard holds, straight into the shard: no full
+    tensor of the file is read, and the parameter's own memory is never
+    touched.  Buffers in the file are read whole.  Parameters and buffers the
+    file lacks are initialized (``init_fn`` or ``reset_parameters``) and
+    named in a warning, as ``from_pretrained`` does; a shape that differs is
+    an error, raised before anything is allocated.
     """
     parsed = parse_options(options)
     if device is None:
@@ -62,6 +75,12 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
     if not meta:
         raise ValueError("zinf.materialize: the model has no meta-device parameters; build it under "
                          "`with torch.device('meta'):` (a model already in memory is adopted by torch.compile)")
+    files, names_by_id = {}, {}
+    if weights is not None:
+        files = open_safetensors(os.fspath(weights))
+        names_by_id = _state_dict_names(model)
+        _check_weights(files, names_by_id, meta, model, weights)
+    reader = RangeReader()
     plan_offload([p for _, p in meta], parsed)
     name_by_id = {id(p): name for name, p in named}
     modules = list(model.modules())
@@ -71,6 +90,7 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
             if param is not None and param.is_meta:
                 last_holder[id(param)] = index
     real_by_meta: dict[int, torch.nn.Parameter] = {}
+    stored_by_real: dict = {}  # id(real param) -> its tensor in the weights file
     total = sum(p.numel() for _, p in meta)
     done = 0
     started = last_report = time.perf_counter()
@@ -83,27 +103,46 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
             if real is None:
                 real = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 real_by_meta[id(param)] = real
+                stored = _stored(files, names_by_id, param)
+                if stored is not None:
+                    # Read into the shard at adoption; the full tensor's pages are never touched.
+                    stored_by_real[id(real)] = stored
             module._parameters[key] = real
             if last_holder[id(param)] == index:
                 ready.append((name_by_id[id(param)], real))
         meta_buffers = [key for key, b in module._buffers.items() if b is not None and b.is_meta]
+        buffers_from_file = []
         for key in meta_buffers:
+            stored = _stored(files, names_by_id, module._buffers[key])
             module._buffers[key] = torch.empty_like(module._buffers[key], device=device)
+            if stored is not None:
+                buffers_from_file.append((module._buffers[key], stored))
         real_ids = {id(r) for r in real_by_meta.values()}
         if not meta_buffers and not any(id(p) in real_ids for p in module._parameters.values()):
             continue  # nothing of its own to fill (or only parameters built outside the meta device)
+        own_params = [p for p in module._parameters.values() if p is not None and id(p) in real_ids]
+        from_file = all(id(p) in stored_by_real for p in own_params) and len(buffers_from_file) == len(meta_buffers)
+        if not from_file:
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(module)
+                elif hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+                elif ready:
+                    raise ValueError(f"zinf.materialize: module {type(module).__name__} has parameters but no "
+                                     f"reset_parameters(); pass init_fn to fill them")
         with torch.no_grad():
-            if init_fn is not None:
-                init_fn(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            elif ready:
-                raise ValueError(f"zinf.materialize: module {type(module).__name__} has parameters but no "
-                                 f"reset_parameters(); pass init_fn to fill them")
+            for buffer, stored in buffers_from_file:
+                buffer.copy_(stored.read(reader, 0, stored.numel).view(buffer.shape))
         for name, real in ready:
+            stored = stored_by_real.get(id(real))
+            read_local = None
+            if stored is not None:
+                read_local = functools.partial(_read_local, stored, reader=reader)
             record = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
                                  param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
-                                 opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed))
+                                 opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed),
+                                 read_local=read_local)
             STORE.release_full_storage([record])
             done += real.numel()
         if ready:
@@ -113,6 +152,7 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
             log.warning("zinf.materialize: %s of %s parameters sharded (%.0f s)", f"{done:,}", f"{total:,}",
                         now - started)
             last_report = now
+    reader.close()
     if progress:
         log.warning("zinf.materialize: %s parameters (%s of fp32) sharded to param tier %s, optimizer tier %s "
                     "in %.1f s", f"{total:,}", human_bytes(4 * total), TIERS[parsed.offload_param],
@@ -140,3 +180,46 @@ def _tile_plan(name: str, param: torch.Tensor, options) -> tuple[int, ...] | Non
     factor = tile.choose_factor(name, rows, row_bytes, options, STORE.comm.world_size,
                                 options.device_memory_limit, 0)
     return tile.split_rows(rows, factor) if factor > 1 else None
+
+
+def _state_dict_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(tensor) -> its state-dict names (a tied weight has several; a file may hold it under any)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def _stored(files: dict, names_by_id: dict, tensor: torch.Tensor):
+    for name in names_by_id.get(id(tensor), []):
+        if name in files:
+            return files[name]
+    return None
+
+
+def _check_weights(files: dict, names_by_id: dict, meta, model, weights) -> None:
+    """Before anything is allocated: shapes agree; say which parameters and buffers the file lacks."""
+    wrong, missing = [], []
+    tensors = [(name, p) for name, p in meta] + [(name, b) for name, b in model.named_buffers() if b.is_meta]
+    for name, tensor in tensors:
+        stored = _stored(files, names_by_id, tensor)
+        if stored is None:
+            if id(tensor) in names_by_id:  # a non-persistent buffer is never in a weights file
+                missing.append(name)
+            continue
+        if tuple(stored.shape) != tuple(tensor.shape):
+            wrong.append(f"{stored.name}: {tuple(stored.shape)} in the file, {tuple(tensor.shape)} in the model")
+    if wrong:
+        raise ZinfCheckpointError(f"zinf.materialize: {weights} does not fit the model: " + "; ".join(wrong[:8])
+                                  + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
+    if missing:
+        log.warning("zinf.materialize: %d tensor(s) not in %s are initialized instead: %s", len(missing), weights,
+                    ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+
+
+def _read_local(stored, record, reader: RangeReader) -> torch.Tensor:
+    """This rank's slice of a weights-file tensor, in the record's layout and holding dtype."""
+    local = torch.zeros(record.local_numel, dtype=record.holding_dtype)
+    for first, stop, local_start in record.owned_ranges():
+        local[local_start : local_start + stop - first].copy_(stored.read(reader, first, stop))
+    return local
