@@ -67,7 +67,7 @@ FORMAT = "zinf-checkpoint/1"
 COMMIT_MARKER = "COMMITTED"
 CHUNK_NUMEL = 16 << 20  # elements per chunk streamed from an in-memory tensor
 
-__all__ = ["save", "load", "latest", "export", "ZinfCheckpointError"]
+__all__ = ["save", "load", "latest", "export", "to_safetensors", "ZinfCheckpointError"]
 
 
 # --- what a model and its optimizer hold ---------------------------------------------
@@ -685,6 +685,41 @@ def latest(root: str | os.PathLike) -> str | None:
         if best is None or saved_at > best[0]:
             best = (saved_at, os.path.join(root, name))
     return best[1] if best else None
+
+
+def to_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> str:
+    """Convert a checkpoint folder to one consolidated ``model.safetensors`` under ``out``; no model, no ranks.
+
+    The converter to the ecosystem's formats: the fp32 values of every
+    parameter (tied ones once) and every buffer, read and written one tensor
+    at a time.  ``transformers`` and ``safetensors`` load the file, and so does
+    ``torch.distributed.checkpoint`` through its ``HuggingFaceStorageReader``.
+    Optimizer state stays in zinf's format.
+    """
+    checkpoint = Checkpoint(os.path.abspath(os.fspath(path)))
+    try:
+        for manifest in checkpoint.manifests:
+            verify_data_file(os.path.join(checkpoint.path, manifest["data"]["file"]), manifest["data"])
+        meta = checkpoint.meta
+        tensors = [(name, "value", info) for name, info in meta["params"].items()]
+        tensors += [(name, "buffer", info) for name, info in meta["buffers"].items()]
+        dtypes = {name: checkpoint.pieces[(name, kind)][0][4] if checkpoint.has(name, kind)
+                  else DTYPES_BY_NAME[info["dtype"]] for name, kind, info in tensors}
+        out = os.path.abspath(os.fspath(out))
+        os.makedirs(out, exist_ok=True)
+        writer = SafetensorsWriter(os.path.join(out, "model.safetensors"),
+                                   [(name, dtypes[name], tuple(info["shape"])) for name, _, info in tensors])
+        try:
+            for name, kind, info in tensors:
+                numel = int(torch.Size(info["shape"]).numel())
+                writer.write(name, checkpoint.read_full(name, kind, numel, dtypes[name]))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    finally:
+        checkpoint.close()
+    return out
 
 
 # --- export --------------------------------------------------------------------------
