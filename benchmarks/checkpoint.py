@@ -26,25 +26,15 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-
-
-def _status() -> dict[str, int]:
-    figures = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                figures[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return figures
+from zinf_compiler.runtime.host_memory import new_peak_window, rss_figures
 
 
 def measured(call):
     """(seconds, peak RSS growth in bytes) of ``call()``."""
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    before = _status()["VmRSS"]
+    before = new_peak_window()
     started = time.perf_counter()
     call()
-    return time.perf_counter() - started, _status()["VmHWM"] - before
+    return time.perf_counter() - started, rss_figures()["VmHWM"] - before
 
 
 def folder_bytes(path: str) -> int:

@@ -144,11 +144,16 @@ class ChecksummedWriter:
                 "crc32": self._crcs}
 
     def abort(self) -> None:
-        self._handle.close()
-        try:
-            os.unlink(self._temporary)
-        except FileNotFoundError:
-            pass
+        _discard(self._handle, self._temporary)
+
+
+def _discard(handle, temporary: str) -> None:
+    """Close and delete a file that was never renamed into place."""
+    handle.close()
+    try:
+        os.unlink(temporary)
+    except FileNotFoundError:
+        pass
 
 
 def verify_data_file(path: str, described: dict) -> None:
@@ -255,11 +260,7 @@ class SafetensorsWriter:
         os.replace(self._temporary, self.path)
 
     def abort(self) -> None:
-        self._handle.close()
-        try:
-            os.unlink(self._temporary)
-        except FileNotFoundError:
-            pass
+        _discard(self._handle, self._temporary)
 
 
 class SafetensorsTensor:

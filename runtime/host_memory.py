@@ -26,3 +26,20 @@ def trim() -> bool:
     if _malloc_trim is None:
         return False
     return bool(_malloc_trim(0))
+
+
+def rss_figures() -> dict[str, int]:
+    """Resident set now (``VmRSS``) and its high-water mark (``VmHWM``), in bytes (Linux)."""
+    figures = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                figures[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return figures
+
+
+def new_peak_window() -> int:
+    """Reset the RSS high-water mark to the current RSS (``/proc/self/clear_refs``); returns that RSS."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return rss_figures()["VmRSS"]

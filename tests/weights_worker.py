@@ -12,22 +12,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig
-
-
-def rss() -> dict[str, int]:
-    figures = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                figures[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return figures
-
-
-def new_window() -> int:
-    """Reset the peak RSS to the current RSS; returns it."""
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    return rss()["VmRSS"]
+from zinf_compiler.runtime.host_memory import new_peak_window, rss_figures as rss
 
 
 def main() -> None:
@@ -36,11 +21,11 @@ def main() -> None:
                "lower": "eager"}
     with torch.device("meta"):
         model = GPT(GPTConfig(**args["config"]))
-    before = new_window()
+    before = new_peak_window()
     zinf.materialize(model, options, weights=args["weights"], progress=False)
     materialize_peak = rss()["VmHWM"] - before
     zinf.optim.AdamW(model.parameters())  # a model as it is trained: its optimizer exists too
-    before = new_window()
+    before = new_peak_window()
     zinf.export(args["export"], model)
     export_peak = rss()["VmHWM"] - before
     print(json.dumps({"materialize_peak": materialize_peak, "export_peak": export_peak}))

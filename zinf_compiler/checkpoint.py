@@ -44,11 +44,13 @@ that the rest of the ecosystem (``transformers``, ``safetensors``, plain
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
 import shutil
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -232,8 +234,6 @@ def _barrier(comm, what: str) -> None:
 
 
 def _file_crc(path: str) -> int:
-    import zlib
-
     crc = 0
     with open(path, "rb") as handle:
         while block := handle.read(1 << 20):
@@ -677,8 +677,6 @@ def latest(root: str | os.PathLike) -> str | None:
             continue
         try:
             with open(os.path.join(root, name, "meta.json")) as handle:
-                import json
-
                 saved_at = json.load(handle)["saved_at"]
         except (OSError, ValueError, KeyError):
             continue

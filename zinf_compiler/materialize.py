@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .backend import TIERS, plan_offload
+from .checkpoint import _aliases
 from .options import parse_options
 from .runtime.aio import human_bytes
 from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
@@ -78,7 +79,7 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
     files, names_by_id = {}, {}
     if weights is not None:
         files = open_safetensors(os.fspath(weights))
-        names_by_id = _state_dict_names(model)
+        names_by_id = _aliases(model)
         _check_weights(files, names_by_id, meta, model, weights)
     reader = RangeReader()
     plan_offload([p for _, p in meta], parsed)
@@ -180,14 +181,6 @@ def _tile_plan(name: str, param: torch.Tensor, options) -> tuple[int, ...] | Non
     factor = tile.choose_factor(name, rows, row_bytes, options, STORE.comm.world_size,
                                 options.device_memory_limit, 0)
     return tile.split_rows(rows, factor) if factor > 1 else None
-
-
-def _state_dict_names(model: torch.nn.Module) -> dict[int, list[str]]:
-    """id(tensor) -> its state-dict names (a tied weight has several; a file may hold it under any)."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(tensor), []).append(name)
-    return names
 
 
 def _stored(files: dict, names_by_id: dict, tensor: torch.Tensor):
