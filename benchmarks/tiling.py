@@ -44,7 +44,8 @@ def child(spec: dict) -> None:
 
     import zinf_compiler as zinf
     from zinf_compiler.gpt import Block, GPTConfig
-    from zinf_compiler.runtime.store import STORE, ZinfBudgetError
+    from zinf_compiler.runtime.ledger import ZinfBudgetError
+    from zinf_compiler.runtime.store import STORE
 
     torch.manual_seed(0)
     hidden = spec["hidden"]

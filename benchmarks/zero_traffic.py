@@ -6,7 +6,9 @@ Launches ``--world-size`` gloo ranks on localhost (one process each, like
 ``tests/multirank.py``). Every variant trains the same GPT (same initial
 weights, same per-rank batches, AdamW lr 1e-3) in the same run:
 
-* zinf at stages 1, 2, 3 with ``partition="allgather"``, stage 3 with
+* zinf at stages 1, 2, 3 with ``partition="allgather"`` (default buckets: one
+  collective per transformer block), stage 3 with ``bucket_bytes=0`` (one
+  collective per parameter, as before buckets), stage 3 with
   ``partition="broadcast"`` (the paper's baseline), and stage 0 (plain data
   parallel: one all-reduce per gradient) for reference;
 * PyTorch FSDP2: ``fully_shard`` on every transformer block and on the root,
@@ -61,6 +63,7 @@ ZINF_VARIANTS = [
     ("zinf stage 1", {"stage": 1, "partition": "allgather"}),
     ("zinf stage 2", {"stage": 2, "partition": "allgather"}),
     ("zinf stage 3", {"stage": 3, "partition": "allgather"}),
+    ("zinf stage 3 unbucketed", {"stage": 3, "partition": "allgather", "bucket_bytes": 0}),
     ("zinf stage 3 broadcast", {"stage": 3, "partition": "broadcast"}),
 ]
 FSDP2 = "FSDP2 (fully_shard, eager)"
@@ -145,13 +148,15 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     uid_reduces: collections.Counter = collections.Counter()
     store_gather, store_reduce = STORE.gather_start, STORE.reduce_grad_start
 
-    def counted_gather(param_record, *a, **k):
-        uid_gathers[param_record.uid] += 1
-        return store_gather(param_record, *a, **k)
+    def counted_gather(unit, *a, **k):
+        for piece in unit.pieces:
+            uid_gathers[piece.layout.uid] += 1
+        return store_gather(unit, *a, **k)
 
-    def counted_reduce(param_record, *a, **k):
-        uid_reduces[param_record.uid] += 1
-        return store_reduce(param_record, *a, **k)
+    def counted_reduce(unit, *a, **k):
+        for piece in unit.pieces:
+            uid_reduces[piece.layout.uid] += 1
+        return store_reduce(unit, *a, **k)
 
     STORE.gather_start, STORE.reduce_grad_start = counted_gather, counted_reduce
 

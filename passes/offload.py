@@ -1,7 +1,7 @@
 """The ``offload`` pass: fetch offloaded parameter shards before their gather.
 
-For each ``zinf.gather_start`` of a parameter whose shard rests off the
-device (``offload_param`` = "cpu" or "nvme"), insert the fetch steps of the
+For each ``zinf.gather_start`` of a unit (a bucket, a parameter or a tile)
+whose shards rest off the device (``offload_param`` = "cpu" or "nvme"), insert the fetch steps of the
 paper right before it and chain the gather after them:
 
     nvme:  nc_start -> nc_wait -> cg_start -> cg_wait -> gather_start(after=cg token)
@@ -34,21 +34,23 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
     if tier != "none":
         graph = gm.graph
         for gather in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GATHER_START]:
-            param_node, slot = gather.args[0], gather.args[1]
+            param_node, slots = ops.arg(gather, "param"), ops.arg(gather, "slots")
             # A tile's gather (the tile pass) fetches only that tile's slice of the shard.
-            tile = gather.args[3] if len(gather.args) > 3 else gather.kwargs.get("tile", -1)
-            tile_args = (tile,) if tile >= 0 else ()
+            tile = ops.arg(gather, "tile")
+            label = param_node.name + (f"_and_{len(slots) - 1}" if len(slots) > 1 else "")
             with graph.inserting_before(gather):
                 after = param_node
                 steps = []
                 if tier == "nvme":
-                    token = call_op(graph, ops.NC_START, (param_node, slot) + tile_args, name=f"nc_start_{param_node.name}")
-                    after = call_op(graph, ops.NC_WAIT, (token, slot) + tile_args, name=f"nc_wait_{param_node.name}")
+                    token = call_op(graph, ops.NC_START, (param_node, slots, tile), name=f"nc_start_{label}")
+                    after = call_op(graph, ops.NC_WAIT, (token, slots, tile), name=f"nc_wait_{label}")
                     steps.append("nc")
-                token = call_op(graph, ops.CG_START, (after, slot) + tile_args, name=f"cg_start_{param_node.name}")
-                after = call_op(graph, ops.CG_WAIT, (token, slot) + tile_args, name=f"cg_wait_{param_node.name}")
+                token = call_op(graph, ops.CG_START, (after, slots, tile), name=f"cg_start_{label}")
+                after = call_op(graph, ops.CG_WAIT, (token, slots, tile), name=f"cg_wait_{label}")
                 steps.append("cg")
-            gather.args = (param_node, slot, after) + tuple(gather.args[3:])
-            fetched[slot] = steps
+            gather.args = (param_node, slots, after, tile)
+            gather.kwargs = {}
+            for slot in slots:
+                fetched[slot] = steps
     ctx.facts["fetched"] = fetched
     return gm

@@ -12,10 +12,16 @@
 * stage 0 with world size > 1: each gradient is averaged over ranks
   (``zinf.all_reduce_grad``), plain data parallelism.
 
+Buckets (:mod:`zinf_compiler.plan`): parameters of one block are gathered by
+one ``gather_start`` / ``gather_wait`` pair (the wait returns a list, one
+value per parameter, read with ``getitem``), placed before the first use of
+any of them and released after the last; the gradients of one block are
+reduced by one ``reduce_grad_start`` placed after the last of them.
+
 Tiles (the ``tile`` pass): each weight slice tagged ``meta["zinf_tile"]`` is
-gathered as its own unit (``gather_start(param, slot, None, tile)``, released
+gathered as its own unit (``gather_start(param, [slot], None, tile)``, released
 after its last use), and each tile gradient of a ``meta["zinf_tiled_grad"]``
-cat is reduced on its own (``reduce_grad_start(grad_tile, slot, tile)``).
+cat is reduced on its own (``reduce_grad_start([grad_tile], [slot], tile)``).
 
 Ops name a parameter by its *slot*, its position among the Dynamo graph's
 inputs; the runtime binds slots to the parameters of each call.  Reads
@@ -26,9 +32,11 @@ schedule pass later moves every start earlier and every wait later.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from zinf_compiler import ops
+from zinf_compiler import ops, plan
 from zinf_compiler.context import GraphContext
 from zinf_compiler.graph_utils import call_op, first_node, last_node, node_order, output_node, placeholders_by_name
 from zinf_compiler.passes.tile import TILE_META, TILED_GRAD_META
@@ -50,6 +58,7 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
 def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
     placeholders = placeholders_by_name(graph)
     gathered_slots = []
+    whole = {}  # slot -> (placeholder, its compute users): parameters gathered whole
     for placeholder_name, info in ctx.params.items():
         param_node = placeholders[placeholder_name]
         # The output keeps the storage-less parameter (saved for backward, which
@@ -60,21 +69,41 @@ def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
             _gather_tiles(graph, param_node, weight_tiles, info.position)
             compute_users = [user for user in compute_users if TILE_META not in user.meta]
             gathered_slots.append(info.position)
-        if not compute_users:
-            continue
-        slot = info.position
-        order = node_order(graph)
-        with graph.inserting_before(first_node(compute_users, order)):
-            token = call_op(graph, ops.GATHER_START, (param_node, slot), name=f"gg_start_{placeholder_name}")
-            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, slot), name=f"gathered_{placeholder_name}")
-        for user in compute_users:
-            user.replace_input_with(param_node, gathered)
-        order = node_order(graph)
-        with graph.inserting_after(last_node(gathered.users, order)):
-            call_op(graph, ops.RELEASE, (gathered, slot), name=f"release_{placeholder_name}")
-        if slot not in gathered_slots:
-            gathered_slots.append(slot)
+        if compute_users:
+            whole[info.position] = (param_node, compute_users)
+    order = node_order(graph)
+    in_use_order = sorted(whole, key=lambda slot: order[first_node(whole[slot][1], order)])
+    for bucket in plan.buckets(ctx, in_use_order):
+        _gather_bucket(graph, bucket, [whole[slot] for slot in bucket])
+        gathered_slots.extend(slot for slot in bucket if slot not in gathered_slots)
     return gathered_slots
+
+
+def _gather_bucket(graph: torch.fx.Graph, slots: list[int], members: list) -> None:
+    """One gather for the parameters in ``slots``: before the first use of any, released after the last."""
+    order = node_order(graph)
+    param_nodes = [param_node for param_node, _ in members]
+    label = param_nodes[0].name + (f"_and_{len(slots) - 1}" if len(slots) > 1 else "")
+    with graph.inserting_before(first_node([user for _, users in members for user in users], order)):
+        token = call_op(graph, ops.GATHER_START, (param_nodes[0], slots), name=f"gg_start_{label}")
+        gathered = call_op(graph, ops.GATHER_WAIT, (token, param_nodes, slots), name=f"gathered_{label}")
+        values = [_item(graph, gathered, index, f"gathered_{param_node.name}")
+                  for index, param_node in enumerate(param_nodes)]
+    for (param_node, users), value in zip(members, values):
+        for user in users:
+            user.replace_input_with(param_node, value)
+    order = node_order(graph)
+    with graph.inserting_after(last_node([user for value in values for user in value.users], order)):
+        call_op(graph, ops.RELEASE, (gathered, slots), name=f"release_{label}")
+
+
+def _item(graph: torch.fx.Graph, values: torch.fx.Node, index: int, name: str) -> torch.fx.Node:
+    """``values[index]`` of a list-valued node, with its ``meta["val"]``."""
+    node = graph.call_function(operator.getitem, (values, index))
+    node._rename(name)
+    if "val" in values.meta:
+        node.meta["val"] = values.meta["val"][index]
+    return node
 
 
 def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles: list, slot: int) -> None:
@@ -83,16 +112,16 @@ def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles
         tile = weight_slice.meta[TILE_META]["tile"]
         start, stop = weight_slice.meta[TILE_META]["rows"]
         with graph.inserting_before(weight_slice):
-            token = call_op(graph, ops.GATHER_START, (param_node, slot, None, tile),
+            token = call_op(graph, ops.GATHER_START, (param_node, [slot], None, tile),
                             name=f"gg_start_{param_node.name}_tile{tile}")
-            gathered = call_op(graph, ops.GATHER_WAIT, (token, param_node, slot, tile, stop - start),
+            gathered = call_op(graph, ops.GATHER_WAIT, (token, [param_node], [slot], tile, stop - start),
                                name=f"gathered_{param_node.name}_tile{tile}")
-        weight_slice.replace_all_uses_with(gathered)
+            value = _item(graph, gathered, 0, f"{param_node.name}_tile{tile}")
+        weight_slice.replace_all_uses_with(value)
         graph.erase_node(weight_slice)
-        if not gathered.users:  # nothing reads it (cannot happen after the tile pass, but stay valid)
-            continue
-        with graph.inserting_after(last_node(gathered.users, node_order(graph))):
-            call_op(graph, ops.RELEASE, (gathered, slot, tile), name=f"release_{param_node.name}_tile{tile}")
+        users = value.users or {value: None}  # nothing reads it (cannot happen after the tile pass, but stay valid)
+        with graph.inserting_after(last_node(users, node_order(graph))):
+            call_op(graph, ops.RELEASE, (gathered, [slot], tile), name=f"release_{param_node.name}_tile{tile}")
 
 
 def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
@@ -106,39 +135,50 @@ def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
             f"{len(inputs)} inputs; cannot match gradients to parameters"
         )
     reduced = []
+    whole = {}  # slot -> its gradient node, reduced in buckets below
     for index, grad in enumerate(grads):
         if index < offset or not isinstance(grad, torch.fx.Node):
             continue
         info = inputs[index - offset]
         if info.kind != "param":
             continue
-        if TILED_GRAD_META in grad.meta and ctx.options.stage > 0:
+        slot = info.position
+        if ctx.options.stage == 0:
+            where = graph.inserting_before(output) if grad.op == "placeholder" else graph.inserting_after(grad)
+            with where:
+                grads[index] = call_op(graph, ops.ALL_REDUCE_GRAD, (grad,), name=f"averaged_grad_{index}")
+            reduced.append(slot)
+            continue
+        if TILED_GRAD_META in grad.meta:
             # One reduce per tile gradient, right after it; the cat that joined them goes.
-            slot = info.position
             for tile, grad_tile in enumerate(grad.args[0]):
                 with graph.inserting_after(grad_tile):
-                    token = call_op(graph, ops.REDUCE_GRAD_START, (grad_tile, slot, tile), name=f"rs_start_{slot}_tile{tile}")
+                    token = call_op(graph, ops.REDUCE_GRAD_START, ([grad_tile], [slot], tile),
+                                    name=f"rs_start_{slot}_tile{tile}")
                 with graph.inserting_after(token):
-                    call_op(graph, ops.REDUCE_GRAD_WAIT, (token, slot, tile), name=f"rs_wait_{slot}_tile{tile}")
+                    call_op(graph, ops.REDUCE_GRAD_WAIT, (token, [slot], tile), name=f"rs_wait_{slot}_tile{tile}")
             grads[index] = None
             reduced.append(slot)
             output.args = (tuple(grads),) + tuple(output.args[1:])
             if not grad.users:
                 graph.erase_node(grad)
             continue
-        # As soon as the gradient exists (the schedule pass may push the wait later).
-        where = graph.inserting_before(output) if grad.op == "placeholder" else graph.inserting_after(grad)
-        if ctx.options.stage == 0:
-            with where:
-                grads[index] = call_op(graph, ops.ALL_REDUCE_GRAD, (grad,), name=f"averaged_grad_{index}")
-            reduced.append(info.position)
-            continue
-        slot = info.position
-        with where:
-            token = call_op(graph, ops.REDUCE_GRAD_START, (grad, slot), name=f"rs_start_{slot}")
-        with graph.inserting_after(token):
-            call_op(graph, ops.REDUCE_GRAD_WAIT, (token, slot), name=f"rs_wait_{slot}")
+        whole[slot] = grad
         grads[index] = None
         reduced.append(slot)
     output.args = (tuple(grads),) + tuple(output.args[1:])
+    order = node_order(graph)
+    # A gradient passed straight through from an input counts as made at the end.
+    made_at = {slot: len(order) if grad.op == "placeholder" else order[grad] for slot, grad in whole.items()}
+    for bucket in plan.buckets(ctx, sorted(whole, key=made_at.__getitem__)):
+        # As soon as the bucket's last gradient exists (the schedule pass may push the wait later).
+        last = max(bucket, key=made_at.__getitem__)
+        label = f"{bucket[0]}" + (f"_and_{len(bucket) - 1}" if len(bucket) > 1 else "")
+        where = (graph.inserting_before(output) if whole[last].op == "placeholder"
+                 else graph.inserting_after(whole[last]))
+        with where:
+            token = call_op(graph, ops.REDUCE_GRAD_START, ([whole[slot] for slot in bucket], bucket),
+                            name=f"rs_start_{label}")
+        with graph.inserting_after(token):
+            call_op(graph, ops.REDUCE_GRAD_WAIT, (token, bucket), name=f"rs_wait_{label}")
     return reduced

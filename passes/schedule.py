@@ -57,28 +57,26 @@ and its wait and the part of it left exposed: where to lengthen a distance).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 
-from zinf_compiler import ops
+from zinf_compiler import ops, plan
 from zinf_compiler.context import GraphContext
-from zinf_compiler.graph_utils import output_node
-from zinf_compiler.runtime.store import DTYPES
 
 NAME = "schedule"
 KINDS = ("forward", "backward", "inference")
 
-ALIGNMENT = 4096  # the pinned pool rounds every block up to this
 REDUCE_DELAY = 1  # ops a gradient's reduction runs across before it is waited on
 
 
 @dataclasses.dataclass(eq=False)
 class _Fetch:
-    """One gather (of a parameter or one tile of it) and the nc/cg steps feeding it."""
+    """One gather (of a unit: a bucket, a parameter or one tile of one) and the nc/cg steps feeding it."""
 
     name: str
-    slot: int
+    slots: list
     tile: int
     wait: torch.fx.Node  # gather_wait: never moves
     groups: dict  # "nc" / "cg" / "gg" -> nodes moved together, in chain order
@@ -87,6 +85,7 @@ class _Fetch:
     shard_bytes: int = 0  # cg staging on the device (0: the shard rests on the device)
     gathered_bytes: int = 0
     pinned_bytes: int = 0  # nc staging in pinned host memory (0: not on NVMe)
+    copy_out_bytes: int = 0  # a bucket's values copied out of its gathered matrix, at the wait
     distance: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (after caps)
     wanted: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (before caps)
 
@@ -94,7 +93,7 @@ class _Fetch:
 @dataclasses.dataclass(eq=False)
 class _Reduce:
     name: str
-    slot: int
+    slots: list
     tile: int
     start: torch.fx.Node
     wait: torch.fx.Node
@@ -148,104 +147,67 @@ def _is_chain(node: torch.fx.Node, fetches: list[_Fetch]) -> bool:
         ops.NC_START, ops.NC_WAIT, ops.CG_START, ops.CG_WAIT, ops.GATHER_START, ops.GATHER_WAIT)
 
 
-def _tile_arg(node: torch.fx.Node, index: int) -> int:
-    return node.args[index] if len(node.args) > index else node.kwargs.get("tile", -1)
-
-
-def _param_sizes(ctx: GraphContext, param_node: torch.fx.Node, tile: int) -> tuple[int, int, int]:
-    """(shard bytes on this rank, gathered bytes, pinned bytes of its nc read) of a parameter or tile."""
-    info = ctx.params.get(param_node.name)
-    value = param_node.meta.get("val")
-    numel = int(value.numel()) if isinstance(value, torch.Tensor) else 0
-    itemsize = DTYPES[ctx.options.param_dtype].itemsize
-    world = max(ctx.captured.world_size, 1)
-    rows = ctx.captured.tile_rows.get(info.position) if info is not None else None
-    if rows is not None and tile >= 0:
-        part = numel // sum(rows) * rows[tile]
-    else:
-        part = numel
-    if ctx.options.partition == "allgather":
-        shard, gathered = -(-part // world), -(-part // world) * world
-        # An nvme tile is its own swap key (read alone); a whole read takes every tile's padded slice.
-        # (Each tile's slot is padded to at most ALIGNMENT bytes more.)
-        padding = len(rows) * -(-ALIGNMENT // itemsize) if rows else 0
-        read = shard if rows is not None and tile >= 0 else -(-numel // world) + padding
-    else:
-        shard, gathered, read = part, part, numel
-    pinned = -(-read * itemsize // ALIGNMENT) * ALIGNMENT
-    return shard * itemsize, gathered * itemsize, pinned
-
-
 def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]:
     fetches = []
     for node in nodes:
         if node.op != "call_function" or node.target is not ops.GATHER_WAIT:
             continue
-        start = node.args[0]
-        param_node, slot = start.args[0], start.args[1]
-        tile = _tile_arg(start, 3)
+        start = ops.arg(node, "token")
+        slots, tile = ops.arg(start, "slots"), ops.tile_of(start)
         groups = {"gg": [start]}
-        after = start.args[2] if len(start.args) > 2 else None
+        after = ops.arg(start, "after")
         if isinstance(after, torch.fx.Node) and after.target is ops.CG_WAIT:
-            cg_start = after.args[0]
+            cg_start = ops.arg(after, "token")
             groups["gg"] = [after, start]
             groups["cg"] = [cg_start]
-            source = cg_start.args[0]
+            source = ops.arg(cg_start, "after")
             if isinstance(source, torch.fx.Node) and source.target is ops.NC_WAIT:
                 groups["cg"] = [source, cg_start]
-                groups["nc"] = [source.args[0]]
+                groups["nc"] = [ops.arg(source, "token")]
         release = next((user for user in node.users if user.target is ops.RELEASE), None)
-        shard_bytes, gathered_bytes, pinned_bytes = _param_sizes(ctx, param_node, tile)
-        info = ctx.params.get(param_node.name)
-        name = info.name if info is not None else param_node.name
+        sizes = plan.unit_sizes(ctx, slots, tile)
         fetches.append(_Fetch(
-            name=name + (f"[tile {tile}]" if tile >= 0 else ""), slot=slot, tile=tile, wait=node, groups=groups,
-            release=release, shard_bytes=shard_bytes if "cg" in groups else 0, gathered_bytes=gathered_bytes,
-            pinned_bytes=pinned_bytes if "nc" in groups else 0))
+            name=plan.unit_name(ctx, slots, tile), slots=list(slots), tile=-1 if tile is None else tile, wait=node,
+            groups=groups, release=release, shard_bytes=sizes.local if "cg" in groups else 0,
+            gathered_bytes=sizes.gathered, pinned_bytes=sizes.pinned if "nc" in groups else 0,
+            copy_out_bytes=sizes.copy_out))
     return fetches
 
 
 def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce]:
     reduces = []
-    names = {info.position: info.name for info in ctx.captured.params}
     for node in nodes:
         if node.op != "call_function" or node.target is not ops.REDUCE_GRAD_START:
             continue
         wait = next(user for user in node.users if user.target is ops.REDUCE_GRAD_WAIT)
-        grad, slot = node.args[0], node.args[1]
-        tile = _tile_arg(node, 2)
-        value = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
-        numel = int(value.numel()) if isinstance(value, torch.Tensor) else 0
-        itemsize = DTYPES[ctx.options.param_dtype].itemsize
-        world = max(ctx.captured.world_size, 1)
-        if world == 1 and ctx.options.partition == "allgather" and ctx.options.param_dtype != "fp16":
-            staging = 0 if tile >= 0 else numel * 4  # nothing to reduce: one fp32 copy (a tile: none)
-        elif ctx.options.partition == "allgather":
-            staging = (-(-numel // world) * world + -(-numel // world)) * itemsize
-        else:
-            staging = numel * itemsize
-        grad_bytes = numel * value.element_size() if isinstance(value, torch.Tensor) else 0
-        reduces.append(_Reduce(name=names.get(slot, str(slot)) + (f"[tile {tile}]" if tile >= 0 else ""),
-                               slot=slot, tile=tile, start=node, wait=wait, staging_bytes=staging,
-                               grad_bytes=grad_bytes))
+        grads, slots, tile = ops.arg(node, "grads"), ops.arg(node, "slots"), ops.tile_of(node)
+        values = [grad.meta.get("val") for grad in grads if isinstance(grad, torch.fx.Node)]
+        grad_bytes = sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor))
+        reduces.append(_Reduce(name=plan.unit_name(ctx, slots, tile), slots=list(slots),
+                               tile=-1 if tile is None else tile, start=node, wait=wait,
+                               staging_bytes=plan.unit_sizes(ctx, slots, tile).reduce, grad_bytes=int(grad_bytes)))
     return reduces
 
 
 def _is_view(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.is_view)
+            and node.target.is_view) or node.target is operator.getitem
+
+
+def _compute_users(node: torch.fx.Node):
+    """The nodes that compute with ``node``'s value, seen through views (and a gather's list items)."""
+    for user in node.users:
+        if user.target is ops.RELEASE or user.op == "output":
+            continue
+        if _is_view(user):
+            yield from _compute_users(user)
+        else:
+            yield user
 
 
 def _anchor(gathered: torch.fx.Node, position: dict) -> torch.fx.Node:
-    """The op of a gathered parameter: its first compute user, seen through views."""
-    node = gathered
-    while True:
-        users = [user for user in node.users if user.target is not ops.RELEASE and user.op != "output"]
-        if not users:
-            return node
-        node = min(users, key=position.__getitem__)
-        if not _is_view(node):
-            return node
+    """The op of a gathered unit: the first node computing with any of its values."""
+    return min(_compute_users(gathered), key=position.__getitem__, default=gathered)
 
 
 def _ops(nodes: list[torch.fx.Node], fetches: list[_Fetch], reduces: list[_Reduce]) -> list[torch.fx.Node]:
@@ -253,7 +215,8 @@ def _ops(nodes: list[torch.fx.Node], fetches: list[_Fetch], reduces: list[_Reduc
     if fetches:
         anchors = {_anchor(fetch.wait, position) for fetch in fetches}
     else:
-        anchors = {reduce.start.args[0] for reduce in reduces if isinstance(reduce.start.args[0], torch.fx.Node)}
+        anchors = {max(grads, key=position.__getitem__) for reduce in reduces
+                   if (grads := [g for g in ops.arg(reduce.start, "grads") if isinstance(g, torch.fx.Node)])}
     return sorted(anchors, key=position.__getitem__)
 
 
@@ -342,6 +305,8 @@ class _Planner:
                 deltas.setdefault(cg_wait, []).append(("pinned", -fetch.pinned_bytes))
             gather_start = fetch.groups["gg"][-1]
             deltas.setdefault(gather_start, []).append(("device", fetch.gathered_bytes - fetch.shard_bytes))
+            copy_out = fetch.copy_out_bytes
+            deltas.setdefault(fetch.wait, []).extend([("device", copy_out), ("device", -copy_out)])
             if fetch.release is not None:
                 deltas.setdefault(fetch.release, []).append(("device", -fetch.gathered_bytes))
         for reduce in self.reduces:
@@ -450,7 +415,7 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
                 start, wait = fetch.groups["gg"][-1], fetch.wait
             nbytes = {"nc": fetch.pinned_bytes, "cg": fetch.shard_bytes, "gg": fetch.gathered_bytes}[step]
             transfers.append({
-                "param": fetch.name, "slot": fetch.slot, "tile": fetch.tile, "step": step,
+                "param": fetch.name, "slots": fetch.slots, "tile": fetch.tile, "step": step,
                 "start": start.name, "wait": wait.name, "start_pos": position[start], "wait_pos": position[wait],
                 "use_op": fetch.op, "issued_before_op": fetch.op - fetch.distance[step] if fetch.distance[step] else None,
                 "wanted_distance": fetch.wanted[step], "distance": fetch.distance[step],
@@ -459,7 +424,7 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
             })
     for reduce in planner.reduces:
         transfers.append({
-            "param": reduce.name, "slot": reduce.slot, "tile": reduce.tile, "step": "rs",
+            "param": reduce.name, "slots": reduce.slots, "tile": reduce.tile, "step": "rs",
             "start": reduce.start.name, "wait": reduce.wait.name, "start_pos": position[reduce.start],
             "wait_pos": position[reduce.wait], "use_op": None, "issued_before_op": None,
             "wanted_distance": reduce.wanted, "distance": reduce.delay, "capped": reduce.delay < reduce.wanted,

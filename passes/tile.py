@@ -65,9 +65,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from zinf_compiler.context import CapturedGraph, GraphContext
-from zinf_compiler.graph_utils import node_order, output_node
+from zinf_compiler.graph_utils import output_node
 from zinf_compiler.options import ZinfOptions
-from zinf_compiler.runtime.store import DTYPES, ZinfBudgetError
+from zinf_compiler.runtime.ledger import ZinfBudgetError
+from zinf_compiler.runtime.store import DTYPES
 
 NAME = "tile"
 KINDS = ("forward", "backward", "inference")

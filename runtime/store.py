@@ -32,6 +32,8 @@ from .copy_engine import COPIER
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
 from .resting import RestingParameter
+from .ledger import Ledger, ZinfStoreError, merge_ledgers
+from .units import ParamLayout, Segment, Unit, can_share_unit, unit_of
 
 # A transfer waiting this long for pinned memory means the pool is too small
 # for what is in flight: an error naming pinned_bytes beats a hang.
@@ -41,35 +43,19 @@ POOL_WAIT_SECONDS = 120.0
 # pinned pool's optimizer share covers them.
 GRAD_WRITES_IN_FLIGHT = 2
 
+# Gathered bytes one bucket may hold (option bucket_bytes; see runtime/units.py).
+DEFAULT_BUCKET_BYTES = 64 << 20
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ZinfStoreError(RuntimeError):
-    """A parameter cannot be adopted or used the way it was asked for."""
+@dataclasses.dataclass(eq=False, kw_only=True)
+class ParamRecord(ParamLayout):
+    """One adopted parameter: its fixed layout (:class:`ParamLayout`) and this rank's state of it."""
 
-
-class ZinfBudgetError(ZinfStoreError):
-    """An op would hold more gathered and in-flight device bytes than ``device_memory_limit`` allows."""
-
-
-@dataclasses.dataclass(eq=False)
-class ParamRecord:
-    """One adopted parameter and this rank's part of it."""
-
-    uid: int
-    name: str
     # Weak: the store must not keep a dropped model alive (see ParamStore.adopt).
     param_ref: "weakref.ref[torch.nn.Parameter]"
     param_id: int  # id() of the parameter, its key in the store
-    stage: int
-    partition: str
-    compute_dtype: torch.dtype  # dtype of the shard, of gathers and of reduce-scatters
-    world_size: int
-    rank: int
-    owner: int | None  # partition="broadcast": the rank holding the whole parameter
-    local_numel: int  # elements of this rank's slice (0 where it owns nothing)
-    param_tier: str  # "device" | "cpu" | "nvme": where the shard rests between uses
-    opt_tier: str  # "device" | "cpu" | "nvme": where the fp32 master and optimizer state rest
     # The resting shard in compute dtype: on the device or on the CPU; for the
     # nvme tier an empty tensor (the data is in the swap file ``param.<uid>``).
     shard: torch.Tensor
@@ -85,26 +71,12 @@ class ParamRecord:
     grad_sq_norm: float = 0.0
     grad_multiplier: float = 1.0
     swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
-    _gathers: list = dataclasses.field(default_factory=list)  # in-flight (work, buffer)
-    _reduces: list = dataclasses.field(default_factory=list)  # in-flight (work, out, staging)
-    _reads: list = dataclasses.field(default_factory=list)  # in-flight nc: (request, pinned buffer)
-    _copies: list = dataclasses.field(default_factory=list)  # in-flight cg: (device shard, pinned buffer, event)
-    _staged: list = dataclasses.field(default_factory=list)  # fetched shards on the device, for gather_start
-    # Memory-centric tiling (the ``tile`` pass): rows of the parameter per tile,
-    # or None.  A tiled parameter is laid out tile-major: each row tile is
-    # flattened, padded and split evenly over ranks, and this rank's shard is
-    # its slices of every tile in tile order (see :meth:`tile_local_range`).
-    tile_rows: tuple[int, ...] | None = None
-    # Elements each tile's local slice is padded to (nvme tier: 4096 bytes, so
-    # every tile is its own O_DIRECT swap key and a tile fetch reads only it).
-    tile_align: int = 1
-    # In-flight per-tile transfers: (step, tile) -> list, step in nc/cg/staged/gather/reduce.
-    _tile_queues: dict = dataclasses.field(default_factory=dict)
-    # Fixed facts of the parameter (readable after it is gone).
-    shape: torch.Size = torch.Size()
-    dtype: torch.dtype = torch.float32
-    device: torch.device = torch.device("cpu")  # the compute device (where gathered parameters live)
+    # nvme optimizer tier, tiled: reduced gradient tiles collected in CPU memory
+    # until every tile of this backward has arrived: (buffer, tiles done).
+    grad_pending: "tuple[torch.Tensor, set] | None" = None
     full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
+    # Gathered bytes a bucket of the optimizer's own collectives (stages 1-2) may reach (option bucket_bytes).
+    bucket_bytes: int = 0
     _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
     # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
     synced_version: int = 0
@@ -121,180 +93,16 @@ class ParamRecord:
         return param
 
     @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    @property
-    def holding_dtype(self) -> torch.dtype:
-        """The dtype of the master and of a checkpoint's values: fp32, or an integer parameter's own."""
-        return self.dtype if not self.dtype.is_floating_point else torch.float32
-
-    @property
     def trainable(self) -> bool:
         param = self.param_ref()
         return param is not None and param.requires_grad
 
     @property
-    def shard_numel(self) -> int:
-        """Elements per rank's slice (allgather mode), padding included."""
-        if self.tile_rows is not None:
-            return sum(self.tile_slot_numel(tile) for tile in range(len(self.tile_rows)))
-        return -(-self.numel // self.world_size)
-
-    # --- tiles (see ``tile_rows``) ---
-
-    @property
-    def row_numel(self) -> int:
-        return self.numel // self.shape[0] if self.shape and self.shape[0] else 0
-
-    def tile_row_range(self, tile: int) -> tuple[int, int]:
-        start = sum(self.tile_rows[:tile])
-        return start, start + self.tile_rows[tile]
-
-    def tile_numel(self, tile: int) -> int:
-        return self.tile_rows[tile] * self.row_numel
-
-    def tile_shard_numel(self, tile: int) -> int:
-        """Elements of one rank's slice of ``tile`` (allgather: padded to a multiple of the world size)."""
-        if self.partition == "allgather":
-            return -(-self.tile_numel(tile) // self.world_size)
-        return self.tile_numel(tile)
-
-    def tile_slot_numel(self, tile: int) -> int:
-        """Elements ``tile`` takes in the local shard: its slice, padded to ``tile_align``."""
-        return -(-self.tile_shard_numel(tile) // self.tile_align) * self.tile_align
-
-    def tile_gathered_numel(self, tile: int) -> int:
-        return self.tile_shard_numel(tile) * self.world_size if self.partition == "allgather" else self.tile_numel(tile)
-
-    def tile_local_range(self, tile: int) -> tuple[int, int]:
-        """Where this rank's slice of ``tile`` sits in its flat shard (empty for a non-owner in broadcast mode)."""
-        if self.partition == "broadcast" and self.rank != self.owner:
-            return 0, 0
-        start = sum(self.tile_slot_numel(t) for t in range(tile))
-        return start, start + self.tile_shard_numel(tile)
-
-    @property
-    def gathered_numel(self) -> int:
-        return self.shard_numel * self.world_size if self.partition == "allgather" else self.numel
-
-    @property
-    def owns_state(self) -> bool:
-        """Whether this rank holds a slice that the optimizer must step."""
-        return self.local_numel > 0
-
-    @property
     def has_grad(self) -> bool:
         return self.grad_shard is not None or self.grad_on_disk
 
-    @property
-    def shard_bytes(self) -> int:
-        return self.local_numel * self.compute_dtype.itemsize
-
-    @property
-    def param_key(self) -> str:
-        return f"param.{self.uid}"
-
-    def swap_layout(self) -> list[tuple[str, int, int]]:
-        """(swap key, first element, elements) of the nvme-tier shard: one key, or one per tile."""
-        if self.tile_rows is None or self.tile_align == 1:
-            return [(self.param_key, 0, self.local_numel)]
-        layout = []
-        for tile in range(len(self.tile_rows)):
-            start, _ = self.tile_local_range(tile)
-            layout.append((f"{self.param_key}.t{tile}", start, self.tile_slot_numel(tile)))
-        return layout
-
-    def owned_ranges(self) -> list[tuple[int, int, int]]:
-        """Which elements of the flat parameter this rank's shard holds, whatever the layout.
-
-        ``(first, stop, local_start)``: elements ``first:stop`` of the
-        parameter (row-major) sit at ``local_start`` in the local shard,
-        master and optimizer moments; padding belongs to no range.  What a
-        checkpoint records, so that another world size or layout can read it.
-        """
-        if self.partition == "broadcast":
-            return [(0, self.numel, 0)] if self.rank == self.owner else []
-        if self.tile_rows is None:
-            first = self.rank * self.shard_numel
-            stop = min(first + self.shard_numel, self.numel)
-            return [(first, stop, 0)] if stop > first else []
-        ranges = []
-        for tile in range(len(self.tile_rows)):
-            tile_first = self.tile_row_range(tile)[0] * self.row_numel
-            slice_numel = self.tile_shard_numel(tile)
-            first = tile_first + self.rank * slice_numel
-            stop = min(first + slice_numel, tile_first + self.tile_numel(tile))
-            if stop > first:
-                ranges.append((first, stop, self.tile_local_range(tile)[0]))
-        return ranges
-
 
 _UNSET = object()
-
-
-class Ledger:
-    """Bytes one model holds per tier, resting (shards, gradients, optimizer state) and transient
-    (gathered or in flight), their peaks since :meth:`reset_peak`, and its device budget."""
-
-    def __init__(self, device_memory_limit: int | None = None):
-        self.resting = {"device": 0, "cpu": 0}
-        self.transient = {"device": 0, "cpu": 0}
-        self.peak = {"device": 0, "cpu": 0}
-        self.peak_transient = {"device": 0, "cpu": 0}
-        # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
-        self.device_memory_limit = device_memory_limit
-        self.merged_into: Ledger | None = None
-
-    def root(self) -> "Ledger":
-        ledger = self
-        while ledger.merged_into is not None:
-            ledger = ledger.merged_into
-        return ledger
-
-    def add_resting(self, tier: str, delta: int) -> None:
-        self.resting[tier] += delta
-        self._note_peak(tier)
-
-    def add_transient(self, tier: str, delta: int, what: str | None = None) -> None:
-        limit = self.device_memory_limit
-        if tier == "device" and delta > 0 and limit is not None and self.transient[tier] + delta > limit:
-            raise ZinfBudgetError(
-                f"device_memory_limit exceeded: {what or 'a transfer'} needs {delta:,} bytes on the device while "
-                f"{self.transient[tier]:,} bytes are already gathered or in flight ({self.transient[tier] + delta:,} "
-                f"> device_memory_limit={limit:,}); raise device_memory_limit, let the tile pass split the op "
-                f"(a lower tile_threshold, a larger tile_factor or tile_factor='auto'), or lower max_live_bytes"
-            )
-        self.transient[tier] += delta
-        self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
-        self._note_peak(tier)
-
-    def _note_peak(self, tier: str) -> None:
-        self.peak[tier] = max(self.peak[tier], self.resting[tier] + self.transient[tier])
-
-    def reset_peak(self) -> None:
-        for tier in self.peak:
-            self.peak[tier] = self.resting[tier] + self.transient[tier]
-            self.peak_transient[tier] = self.transient[tier]
-
-
-def _merge(ledgers: list) -> Ledger:
-    """One ledger for all of ``ledgers`` (their roots): the first absorbs the others' figures."""
-    roots = []
-    for ledger in ledgers:
-        root = ledger.root()
-        if all(root is not seen for seen in roots):
-            roots.append(root)
-    target = roots[0]
-    for other in roots[1:]:
-        for figures in ("resting", "transient", "peak", "peak_transient"):
-            mine, theirs = getattr(target, figures), getattr(other, figures)
-            for tier in mine:
-                mine[tier] += theirs[tier]
-        limits = [limit for limit in (target.device_memory_limit, other.device_memory_limit) if limit is not None]
-        target.device_memory_limit = min(limits) if limits else None
-        other.merged_into = target
-    return target
 
 
 class _ParamRef(weakref.ref):
@@ -339,6 +147,9 @@ class ParamStore:
         self._dropped_pending: queue.SimpleQueue = queue.SimpleQueue()
         self._nvme_sampled = (0.0, 0)  # (when, bytes) of the trace's last swap-folder scan
         self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
+        self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
+        # (step, unit key) -> transfers in flight, oldest first; step: nc, cg, staged, gather, reduce.
+        self._transfers: dict[tuple, list] = {}
 
     # --- offload resources -------------------------------------------------------
 
@@ -389,15 +200,6 @@ class ParamStore:
             self.pinned = PinnedPool(int(wanted))
             self._add_resting("cpu", self.pinned.capacity_bytes)
         return self.pinned
-
-    def _read_param(self, record: ParamRecord, staging, layout) -> list:
-        """Start reading ``layout``'s keys (see ParamRecord.swap_layout) into ``staging`` at their offsets."""
-        view = staging.memoryview()
-        itemsize = record.compute_dtype.itemsize
-        base = layout[0][1]
-        return [record.swap.read(key, _padded_view(view, (start - base) * itemsize, numel * itemsize),
-                                 numel * itemsize)
-                for key, start, numel in layout]
 
     def _write_param(self, record: ParamRecord, staging) -> list:
         """Start writing a whole shard staged in ``staging`` to its swap keys."""
@@ -454,7 +256,8 @@ class ParamStore:
     def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
               param_tier: str = "device", opt_tier: str = "device",
               tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
-              read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None) -> ParamRecord:
+              read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
@@ -508,15 +311,12 @@ class ParamStore:
             uid = next(self._uids)
             record = ParamRecord(uid=uid, name=name, param_ref=weakref.ref(param), stage=stage,
                                  partition=partition, compute_dtype=compute_dtype, world_size=world_size, rank=rank,
-                                 owner=owner, local_numel=0, param_tier=param_tier, opt_tier=opt_tier,
+                                 owner=owner, param_tier=param_tier, opt_tier=opt_tier,
                                  shard=torch.empty(0, dtype=compute_dtype), tile_rows=tile_rows,
                                  tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
+                                 bucket_bytes=bucket_bytes,
                                  param_id=id(param), synced_version=param._version,
                                  _ledger=ledger or self._ledger_for(param) or Ledger())
-            if partition == "allgather":
-                record.local_numel = record.shard_numel
-            elif rank == owner:
-                record.local_numel = record.numel
             if read_local is not None:
                 local = read_local(record)
                 if local.numel() != record.local_numel or local.dtype != holding_dtype:
@@ -712,408 +512,319 @@ class ParamStore:
                     record.swap.forget(state_key(name, record.uid, index))
         if record.owner is not None:
             self._owned_bytes_by_rank[record.owner] -= record.numel
+        for key in [key for key in self._units if any(uid == record.uid for uid, _ in key)]:
+            del self._units[key]
 
     def records(self) -> list[ParamRecord]:
         return list(self._records.values())
 
-    # --- fetch: nc (NVMe -> pinned CPU buffer), cg (CPU -> device) ----------------
+    # --- units: what one op moves (see runtime/units.py) --------------------------------
+    #
+    # One state machine for every unit (a whole parameter, a row tile of one, a
+    # bucket of parameters): nc (NVMe -> pinned buffer), cg (pinned or CPU shard
+    # -> device), gather (all-gather or broadcast), release, reduce.  Each step's
+    # transfers in flight wait in a FIFO per (step, unit), as the graph's ops
+    # pair starts with waits in order.
 
-    def nc_start(self, record: ParamRecord, tile: int | None = None) -> None:
-        """Start reading the shard of an nvme-tier parameter into a pinned buffer.
+    def unit(self, records: Iterable[ParamRecord], tile: int | None = None) -> Unit:
+        """The unit of ``records`` (a bucket), or of one record's row ``tile``; built once, then cached."""
+        records = list(records)
+        key = tuple((record.uid, tile) for record in records)
+        unit = self._units.get(key)
+        if unit is None or any(piece.layout is not record for piece, record in zip(unit.pieces, records)):
+            if tile is not None and (records[0].tile_rows is None or not 0 <= tile < len(records[0].tile_rows)):
+                raise ZinfStoreError(f"tile {tile} of {records[0].name}, which has tile rows {records[0].tile_rows}")
+            unit = self._units[key] = unit_of(records, tile)
+        return unit
 
-        ``tile``: for one tile's fetch (allgather partition: only that tile's swap key
-        is read; broadcast: the whole shard, which is one key).
-        """
-        if tile is not None:
-            return self._tile_nc_start(record, tile)
-        staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
-        requests = self._read_param(record, staging, record.swap_layout()) if record.owns_state else []
-        record._reads.append((requests, staging))
+    def _in_flight(self, step: str, unit: Unit) -> list:
+        return self._transfers.setdefault((step, unit.key), [])
 
-    def nc_wait(self, record: ParamRecord, tile: int | None = None) -> None:
-        if tile is not None:
-            return self._tile_nc_wait(record, tile)
-        if not record._reads:
-            raise ZinfStoreError(f"nc_wait for {record.name} without an nc_start")
-        requests, _ = record._reads[0]
-        for request in requests:
+    def _pop(self, step: str, unit: Unit, op: str):
+        queue = self._transfers.get((step, unit.key))
+        if not queue:
+            raise ZinfStoreError(f"{op} for {unit.name} without a matching start")
+        entry = queue.pop(0)
+        if not queue:
+            del self._transfers[(step, unit.key)]
+        return entry
+
+    def _ledger_of(self, unit: Unit) -> "Ledger":
+        return unit.pieces[0].layout.ledger
+
+    def nc_start(self, unit: Unit) -> None:
+        """Start reading the unit's shards (nvme tier) from their swap keys into one pinned buffer."""
+        staging = self._pool(unit.sizes.pinned).acquire(unit.sizes.pinned, timeout=POOL_WAIT_SECONDS)
+        view = staging.memoryview()
+        itemsize = unit.compute_dtype.itemsize
+        requests = []
+        for piece, at in zip(unit.pieces, unit.staging_offsets):
+            record = piece.layout
+            for key, start, numel in piece.reads:
+                offset = at + start * itemsize
+                requests.append(record.swap.read(key, _padded_view(view, offset, numel * itemsize), numel * itemsize))
+        self._in_flight("nc", unit).append((requests, staging))
+
+    def nc_wait(self, unit: Unit) -> None:
+        queue = self._transfers.get(("nc", unit.key))
+        if not queue:
+            raise ZinfStoreError(f"nc_wait for {unit.name} without an nc_start")
+        for request in queue[0][0]:
             request.wait()
 
-    def cg_start(self, record: ParamRecord, tile: int | None = None) -> None:
-        """Start copying the shard (or its ``tile`` slice) from CPU memory (cpu tier, or the nc buffer) to the device."""
-        if tile is not None:
-            return self._tile_cg_start(record, tile)
+    def cg_start(self, unit: Unit) -> None:
+        """Start copying the unit's local input (CPU shards, or the nc buffer) to the device."""
         staging = None
-        if record.param_tier == "nvme":
-            if not record._reads:
-                raise ZinfStoreError(f"cg_start for nvme-tier {record.name} without a finished nc")
-            _, staging = record._reads.pop(0)
-            source = staging.tensor(record.compute_dtype, record.local_numel)
-        else:
-            source = record.shard
-        self._add_transient("device", record.local_numel * record.compute_dtype.itemsize,
-                            what=f"cg_start of {record.name}", ledger=record.ledger)
-        on_device = torch.empty(record.local_numel, dtype=record.compute_dtype, device=record.device)
-        work = COPIER.copy(on_device, source, "cg", f"cg {record.name}")
-        record._copies.append((on_device, staging, work))
+        if unit.pieces[0].layout.param_tier == "nvme":
+            _, staging = self._pop("nc", unit, "cg_start (after a finished nc)")
+        self._add_transient("device", unit.sizes.local, what=f"cg_start of {unit.name}", ledger=self._ledger_of(unit))
+        on_device = torch.empty(unit.local_numel, dtype=unit.compute_dtype, device=unit.device)
+        works, at = [], 0
+        for index, piece in enumerate(unit.pieces):
+            numel = piece.local_numel
+            if numel == 0:
+                continue
+            if staging is not None:
+                start = unit.staging_offsets[index] // unit.compute_dtype.itemsize + piece.staged_start
+                source = staging.tensor(unit.compute_dtype, start + numel)[start:]
+            else:
+                start, stop = piece.local_range
+                source = piece.layout.shard[start:stop]
+            works.append(COPIER.copy(on_device[at : at + numel], source, "cg", f"cg {piece.layout.name}"))
+            at += numel
+        self._in_flight("cg", unit).append((on_device, staging, works))
 
-    def cg_wait(self, record: ParamRecord, tile: int | None = None) -> None:
-        if tile is not None:
-            return self._tile_cg_wait(record, tile)
-        if not record._copies:
-            raise ZinfStoreError(f"cg_wait for {record.name} without a cg_start")
-        on_device, staging, work = record._copies.pop(0)
-        _finish_copy(work, staging)
-        record._staged.append(on_device)
+    def cg_wait(self, unit: Unit) -> None:
+        on_device, staging, works = self._pop("cg", unit, "cg_wait")
+        _finish_copies(works, staging)
+        self._in_flight("staged", unit).append(on_device)
 
-    def _local_shard_on_device(self, record: ParamRecord) -> torch.Tensor:
-        """This rank's shard on the device: staged by cg, resting there, or fetched now."""
-        if record._staged:
-            shard = record._staged.pop(0)
-            self._add_transient("device", -_nbytes(shard), ledger=record.ledger)
-            return shard
-        if record.param_tier == "device":
-            return record.shard
+    def _local_input(self, unit: Unit) -> torch.Tensor:
+        """The unit's local input on the device: staged by cg, cut from shards resting there, or fetched now."""
+        if self._transfers.get(("staged", unit.key)):
+            local = self._pop("staged", unit, "gather_start")
+            self._add_transient("device", -_nbytes(local), ledger=self._ledger_of(unit))
+            return local
+        if unit.pieces[0].layout.param_tier == "device":
+            slices = [piece.layout.shard[piece.local_range[0] : piece.local_range[1]] for piece in unit.pieces]
+            return slices[0] if len(slices) == 1 else torch.cat(slices)
         # No nc/cg ran for this use (outside a graph, or the offload pass is off): fetch synchronously.
-        if record.param_tier == "nvme":
-            self.nc_start(record)
-            self.nc_wait(record)
-        self.cg_start(record)
-        self.cg_wait(record)
-        return self._local_shard_on_device(record)
+        if unit.pieces[0].layout.param_tier == "nvme":
+            self.nc_start(unit)
+            self.nc_wait(unit)
+        self.cg_start(unit)
+        self.cg_wait(unit)
+        return self._local_input(unit)
 
-    # --- gather / release -------------------------------------------------------
-
-    def gather_start(self, record: ParamRecord, tile: int | None = None) -> None:
-        """Start assembling the full parameter (all-gather of slices, or broadcast from its owner).
-
-        ``tile``: assemble only that row tile of a tiled parameter.
-        """
-        if tile is not None:
-            return self._tile_gather_start(record, tile)
-        shard = self._local_shard_on_device(record)
-        if self._is_whole(record, shard):
-            record._gathers.append((_DONE, shard, shard))
-            self._add_transient("device", _nbytes(shard), what=f"gather_start of {record.name}", ledger=record.ledger)
+    def gather_start(self, unit: Unit) -> None:
+        """Start assembling the unit's parameters (all-gather of slices, or broadcast from the owner)."""
+        local = self._local_input(unit)
+        ledger = self._ledger_of(unit)
+        self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=ledger)
+        if unit.world_size == 1 and unit.partition == "allgather" and unit.pieces[0].layout.param_tier != "device":
+            # The cg step's fresh device copy already is the whole unit: no collective, no copy.
+            self._in_flight("gather", unit).append((_DONE, local))
             return
-        buffer = torch.empty(record.gathered_numel, dtype=record.compute_dtype, device=record.device)
-        if record.partition == "allgather":
-            work = self.comm.all_gather_into(buffer, shard, f"all_gather of {record.name}")
+        matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
+        if unit.partition == "allgather":
+            work = self.comm.all_gather_into(matrix, local, f"all_gather of {unit.name}")
         else:
-            if record.rank == record.owner:
-                buffer.copy_(shard)
-            work = self.comm.broadcast(buffer, src=record.owner, what=f"broadcast of {record.name}")
-        record._gathers.append((work, buffer, shard))
-        self._add_transient("device", _nbytes(buffer), what=f"gather_start of {record.name}", ledger=record.ledger)
+            owner = unit.pieces[0].layout.owner
+            if local.numel():
+                matrix.copy_(local)
+            work = self.comm.broadcast(matrix, src=owner, what=f"broadcast of {unit.name}")
+        self._in_flight("gather", unit).append((work, matrix))
 
-    def _is_whole(self, record: ParamRecord, shard: torch.Tensor, numel: int | None = None) -> bool:
-        """World size 1: a shard the cg step just staged already is the whole parameter; no gather copy."""
-        numel = record.gathered_numel if numel is None else numel
-        return (record.world_size == 1 and record.partition == "allgather" and record.param_tier != "device"
-                and shard.numel() == numel)
-
-    def gather_wait(self, record: ParamRecord, tile: int | None = None) -> torch.Tensor:
-        """Finish the oldest in-flight gather of ``uid`` (or of its ``tile``); the full parameter in its own dtype."""
-        if tile is not None:
-            return self._tile_gather_wait(record, tile)
-        if not record._gathers:
-            raise ZinfStoreError(f"gather_wait for {record.name} without a gather_start")
-        work, buffer, _ = record._gathers.pop(0)
+    def gather_wait(self, unit: Unit) -> list[torch.Tensor]:
+        """Finish the oldest gather of ``unit``: each piece's full value, in its parameter's dtype."""
+        work, matrix = self._pop("gather", unit, "gather_wait")
         work.wait()
-        if record.tile_rows is not None and record.partition == "allgather":
-            full = _untile(record, buffer)
-        else:
-            full = buffer[: record.numel].view(record.shape)
-        if full.dtype != record.dtype:
-            full = full.to(record.dtype)
-        return full
+        ledger = self._ledger_of(unit)
+        # A bucket's values are copied out of the matrix; both exist until this returns.
+        copy_out = unit.sizes.copy_out
+        if copy_out:
+            self._add_transient("device", copy_out, what=f"gather_wait of {unit.name} (copy-out)", ledger=ledger)
+        try:
+            values = []
+            for index, piece in enumerate(unit.pieces):
+                value = piece.assemble(unit.column_block(matrix, index))
+                if value.dtype != piece.layout.dtype:
+                    value = value.to(piece.layout.dtype)
+                values.append(value)
+        finally:
+            if copy_out:
+                self._add_transient("device", -copy_out, ledger=ledger)
+        return values
 
-    def release(self, record: ParamRecord, tile: int | None = None) -> None:
-        """The graph is done with a gathered copy of ``uid`` (or of its ``tile``): it no longer counts as held.
+    def release(self, unit: Unit) -> None:
+        """The graph is done with the unit's gathered values: they no longer count as held.
 
         The memory itself goes when the graph drops its last reference, right
         after this op (the generated code frees values after their last use).
         """
-        if tile is not None:
-            self._add_transient("device", -record.tile_gathered_numel(tile) * record.compute_dtype.itemsize,
-                                ledger=record.ledger)
-            return
-        self._add_transient("device", -record.gathered_numel * record.compute_dtype.itemsize, ledger=record.ledger)
-
-    # --- tiles: one row tile of a tiled parameter at a time --------------------------
-
-    def _tile_queue(self, record: ParamRecord, step: str, tile: int) -> list:
-        if record.tile_rows is None or not 0 <= tile < len(record.tile_rows):
-            raise ZinfStoreError(f"{step} of tile {tile} of {record.name}, which has tile rows {record.tile_rows}")
-        return record._tile_queues.setdefault((step, tile), [])
-
-    def _tile_what(self, step: str, record: ParamRecord, tile: int) -> str:
-        return f"{step} of {record.name} tile {tile}/{len(record.tile_rows)}"
-
-    def _tile_nc_start(self, record: ParamRecord, tile: int) -> None:
-        queue = self._tile_queue(record, "nc", tile)
-        if record.tile_align == 1:
-            # One swap key (broadcast partition): read the whole shard, cg copies the tile's slice.
-            staging = self._pool(record.shard_bytes).acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
-            queue.append((self._read_param(record, staging, record.swap_layout()) if record.owns_state else [],
-                          staging))
-            return
-        # Each tile is its own swap key (see ParamRecord.tile_align): read just it.
-        key, _, numel = record.swap_layout()[tile]
-        nbytes = numel * record.compute_dtype.itemsize
-        staging = self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS)
-        requests = self._read_param(record, staging, [(key, 0, numel)]) if record.owns_state else []
-        queue.append((requests, staging))
-
-    def _tile_nc_wait(self, record: ParamRecord, tile: int) -> None:
-        queue = self._tile_queue(record, "nc", tile)
-        if not queue:
-            raise ZinfStoreError(f"nc_wait for {record.name} tile {tile} without an nc_start")
-        requests, _ = queue[0]
-        for request in requests:
-            request.wait()
-
-    def _tile_cg_start(self, record: ParamRecord, tile: int) -> None:
-        start, stop = record.tile_local_range(tile)
-        staging = None
-        if record.param_tier == "nvme":
-            reads = self._tile_queue(record, "nc", tile)
-            if not reads:
-                raise ZinfStoreError(f"cg_start for nvme-tier {record.name} tile {tile} without a finished nc")
-            _, staging = reads.pop(0)
-            if record.tile_align == 1:
-                source = staging.tensor(record.compute_dtype, record.local_numel)[start:stop]
-            else:
-                source = staging.tensor(record.compute_dtype, stop - start)  # the tile's own key, read alone
-        else:
-            source = record.shard[start:stop]
-        self._add_transient("device", (stop - start) * record.compute_dtype.itemsize,
-                            what=self._tile_what("cg_start", record, tile), ledger=record.ledger)
-        on_device = torch.empty(stop - start, dtype=record.compute_dtype, device=record.device)
-        work = COPIER.copy(on_device, source, "cg", f"cg {record.name} tile {tile}")
-        self._tile_queue(record, "cg", tile).append((on_device, staging, work))
-
-    def _tile_cg_wait(self, record: ParamRecord, tile: int) -> None:
-        queue = self._tile_queue(record, "cg", tile)
-        if not queue:
-            raise ZinfStoreError(f"cg_wait for {record.name} tile {tile} without a cg_start")
-        on_device, staging, work = queue.pop(0)
-        _finish_copy(work, staging)
-        self._tile_queue(record, "staged", tile).append(on_device)
-
-    def _local_tile_on_device(self, record: ParamRecord, tile: int) -> torch.Tensor:
-        """This rank's slice of ``tile`` on the device: staged by cg, resting there, or fetched now."""
-        staged = self._tile_queue(record, "staged", tile)
-        if staged:
-            shard_tile = staged.pop(0)
-            self._add_transient("device", -_nbytes(shard_tile), ledger=record.ledger)
-            return shard_tile
-        if record.param_tier == "device":
-            start, stop = record.tile_local_range(tile)
-            return record.shard[start:stop]
-        if record.param_tier == "nvme":
-            self._tile_nc_start(record, tile)
-            self._tile_nc_wait(record, tile)
-        self._tile_cg_start(record, tile)
-        self._tile_cg_wait(record, tile)
-        return self._local_tile_on_device(record, tile)
-
-    def _tile_gather_start(self, record: ParamRecord, tile: int) -> None:
-        queue = self._tile_queue(record, "gather", tile)
-        shard_tile = self._local_tile_on_device(record, tile)
-        numel = record.tile_gathered_numel(tile)
-        if self._is_whole(record, shard_tile, numel):
-            self._add_transient("device", _nbytes(shard_tile), what=self._tile_what("gather_start", record, tile),
-                                ledger=record.ledger)
-            queue.append((_DONE, shard_tile, shard_tile))
-            return
-        self._add_transient("device", numel * record.compute_dtype.itemsize,
-                            what=self._tile_what("gather_start", record, tile), ledger=record.ledger)
-        buffer = torch.empty(numel, dtype=record.compute_dtype, device=record.device)
-        if record.partition == "allgather":
-            work = self.comm.all_gather_into(buffer, shard_tile, self._tile_what("all_gather", record, tile))
-        else:
-            if record.rank == record.owner:
-                buffer.copy_(shard_tile)
-            work = self.comm.broadcast(buffer, src=record.owner, what=f"broadcast of {record.name}")
-        queue.append((work, buffer, shard_tile))
-
-    def _tile_gather_wait(self, record: ParamRecord, tile: int) -> torch.Tensor:
-        queue = self._tile_queue(record, "gather", tile)
-        if not queue:
-            raise ZinfStoreError(f"gather_wait for {record.name} tile {tile} without a gather_start")
-        work, buffer, _ = queue.pop(0)
-        work.wait()
-        weight_tile = buffer[: record.tile_numel(tile)].view((record.tile_rows[tile],) + tuple(record.shape[1:]))
-        if weight_tile.dtype != record.dtype:
-            weight_tile = weight_tile.to(record.dtype)
-        return weight_tile
-
-    def _tile_reduce_start(self, record: ParamRecord, grad: torch.Tensor, tile: int) -> None:
-        queue = self._tile_queue(record, "reduce", tile)
-        flat_grad = grad.detach().reshape(-1)
-        if flat_grad.numel() != record.tile_numel(tile):
-            raise ZinfStoreError(f"reduce_grad_start of {record.name} tile {tile}: gradient of {flat_grad.numel()} "
-                                 f"elements, the tile has {record.tile_numel(tile)}")
-        if record.world_size == 1 and record.partition == "allgather" and record.compute_dtype != torch.float16:
-            # World size 1: nothing to average; add the tile into the gradient shard now.
-            self._tile_accumulate(record, tile, flat_grad)
-            queue.append((_DONE, None, 0))
-            return
-        if record.compute_dtype == torch.float16:
-            flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
-        if record.partition == "allgather":
-            staged_bytes = (record.tile_gathered_numel(tile) + record.tile_shard_numel(tile)) * record.compute_dtype.itemsize
-            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile),
-                                ledger=record.ledger)
-            staging = torch.zeros(record.tile_gathered_numel(tile), dtype=record.compute_dtype, device=grad.device)
-            staging[: flat_grad.numel()].copy_(flat_grad)
-            out = torch.empty(record.tile_shard_numel(tile), dtype=record.compute_dtype, device=grad.device)
-            work = self.comm.reduce_scatter_avg(out, staging, f"reduce_scatter of the gradient of {record.name}")
-        else:
-            staged_bytes = flat_grad.numel() * record.compute_dtype.itemsize
-            self._add_transient("device", staged_bytes, what=self._tile_what("reduce_grad_start", record, tile),
-                                ledger=record.ledger)
-            staging = out = flat_grad.to(record.compute_dtype, copy=True)
-            work = self.comm.reduce_sum(staging, dst=record.owner, what=f"reduce of the gradient of {record.name}")
-        queue.append((work, out, staged_bytes))
-
-    def _tile_reduce_wait(self, record: ParamRecord, tile: int) -> None:
-        """Add one reduced gradient tile into its part of this rank's gradient shard.
-
-        nvme optimizer tier: the shard is swapped out whole, so the tiles
-        collect in a CPU buffer that goes to the swap files once every tile
-        of this backward has arrived.
-        """
-        queue = self._tile_queue(record, "reduce", tile)
-        if not queue:
-            raise ZinfStoreError(f"reduce_grad_wait for {record.name} tile {tile} without a reduce_grad_start")
-        work, out, staged_bytes = queue.pop(0)
-        work.wait()
-        self._add_transient("device", -staged_bytes, ledger=record.ledger)
-        if out is None:
-            return  # added at the start (world size 1)
-        if record.partition == "broadcast":
-            if record.rank != record.owner:
-                return
-            out = out / record.world_size
-        if record.compute_dtype == torch.float16:
-            out = out.to(torch.float32) / self.fp16_scaler.scale
-            self.fp16_scaler.check(out)
-        self._tile_accumulate(record, tile, out)
-
-    def _tile_accumulate(self, record: ParamRecord, tile: int, out: torch.Tensor) -> None:
-        """Add this rank's reduced slice of one gradient tile into the gradient shard (or its swap files)."""
-        start, stop = record.tile_local_range(tile)
-        if record.opt_tier == "nvme":
-            pending = record._tile_queues.get("grad_pending")
-            if pending is None:
-                pending = record._tile_queues["grad_pending"] = (
-                    torch.zeros(record.local_numel, dtype=torch.float32), set())
-                self._add_transient("cpu", _nbytes(pending[0]), ledger=record.ledger)
-            gathered_grad, done = pending
-            gathered_grad[start:stop].copy_(out)
-            done.add(tile)
-            if len(done) == len(record.tile_rows):
-                del record._tile_queues["grad_pending"]
-                self._add_transient("cpu", -_nbytes(gathered_grad), ledger=record.ledger)
-                self._swap_grad(record, gathered_grad)
-            return
-        grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
-        if record.grad_shard is None:
-            record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
-            self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard), ledger=record.ledger)
-        record.grad_shard[start:stop].add_(out.to(grad_device))
+        self._add_transient("device", -unit.sizes.gathered, ledger=self._ledger_of(unit))
 
     # --- gradients ---------------------------------------------------------------
 
-    def reduce_grad_start(self, record: ParamRecord, grad: torch.Tensor, tile: int | None = None) -> None:
-        """Start averaging ``grad`` over ranks into this rank's slice (or to the owner).
-
-        ``tile``: ``grad`` is the gradient of that row tile only.
-        """
-        # The gradient the graph hands over is device memory too, until this op returns.
-        self._add_transient("device", _nbytes(grad), what=f"reduce_grad_start of {record.name}", ledger=record.ledger)
+    def reduce_grad_start(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        """Start averaging each piece's gradient over ranks into this rank's slices (or to the owner)."""
+        ledger = self._ledger_of(unit)
+        if len(grads) != len(unit.pieces):
+            raise ZinfStoreError(f"reduce_grad_start of {unit.name}: {len(grads)} gradients for "
+                                 f"{len(unit.pieces)} parameters")
+        # The gradients the graph hands over are device memory too, until this op returns.
+        grad_bytes = sum(_nbytes(grad) for grad in grads)
+        self._add_transient("device", grad_bytes, what=f"reduce_grad_start of {unit.name}", ledger=ledger)
         try:
-            if tile is not None:
-                self._tile_reduce_start(record, grad, tile)
+            flats = []
+            for piece, grad in zip(unit.pieces, grads):
+                flat = grad.detach().reshape(-1)
+                if flat.numel() != piece.numel:
+                    raise ZinfStoreError(f"reduce_grad_start of {piece.layout.name}: a gradient of {flat.numel()} "
+                                         f"elements for {piece.numel}")
+                if unit.compute_dtype == torch.float16:
+                    flat = flat * self.fp16_scaler.scale  # keep small gradients representable in fp16
+                flats.append(flat)
+            if unit.sizes.reduce == 0:
+                # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
+                for index, (piece, flat) in enumerate(zip(unit.pieces, flats)):
+                    if piece.segments != (Segment(0, piece.numel, 0, piece.width),):
+                        padded = torch.zeros(piece.width, dtype=torch.float32, device=unit.device)
+                        piece.scatter(flat, padded.view(1, -1))
+                        flat = padded
+                    self._accumulate(piece, flat, private=False)
+                self._in_flight("reduce", unit).append((_DONE, None))
+                return
+            self._add_transient("device", unit.sizes.reduce, what=f"reduce_grad_start of {unit.name}",
+                                ledger=ledger)
+            matrix = torch.zeros(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
+            for index, (piece, flat) in enumerate(zip(unit.pieces, flats)):
+                piece.scatter(flat, unit.column_block(matrix, index))
+            if unit.rows > 1:
+                out = torch.empty(unit.columns, dtype=unit.compute_dtype, device=unit.device)
+                work = self.comm.reduce_scatter_avg(out, matrix, f"reduce_scatter of the gradient of {unit.name}")
+            elif unit.world_size > 1:  # broadcast partition: summed on the owner
+                out = matrix
+                work = self.comm.reduce_sum(matrix, dst=unit.pieces[0].layout.owner,
+                                            what=f"reduce of the gradient of {unit.name}")
             else:
-                self._reduce_start(record, grad)
+                out, work = matrix, _DONE  # world size 1, fp16 or broadcast: nothing to average
+            self._in_flight("reduce", unit).append((work, out))
         finally:
-            self._add_transient("device", -_nbytes(grad), ledger=record.ledger)
+            self._add_transient("device", -grad_bytes, ledger=ledger)
 
-    def _reduce_start(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        flat_grad = grad.detach().reshape(-1)
-        if (record.world_size == 1 and record.partition == "allgather" and record.tile_rows is None
-                and record.compute_dtype != torch.float16 and record.numel == record.shard_numel):
-            # World size 1: nothing to average.  One private fp32 copy where the optimizer
-            # steps (the graph may reuse the gradient's memory as soon as this op returns).
-            grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
-            out = flat_grad.to(device=grad_device, dtype=torch.float32, copy=True)
-            record._reduces.append((_DONE, out, out, True))
-            self._add_transient("device", _nbytes(out), what=f"reduce_grad_start of {record.name}",
-                                ledger=record.ledger)
-            return
-        if record.compute_dtype == torch.float16:
-            flat_grad = flat_grad * self.fp16_scaler.scale  # keep small gradients representable in fp16
-        if record.partition == "allgather":
-            staging = torch.zeros(record.gathered_numel, dtype=record.compute_dtype, device=grad.device)
-            if record.tile_rows is not None:
-                _tile_major_into(record, staging, flat_grad)
-            else:
-                staging[: record.numel].copy_(flat_grad)
-            out = torch.empty(record.shard_numel, dtype=record.compute_dtype, device=grad.device)
-            work = self.comm.reduce_scatter_avg(out, staging, f"reduce_scatter of the gradient of {record.name}")
-        else:
-            staging = flat_grad.to(record.compute_dtype, copy=True)
-            out = staging
-            work = self.comm.reduce_sum(staging, dst=record.owner, what=f"reduce of the gradient of {record.name}")
-        record._reduces.append((work, out, staging, False))
-        self._add_transient("device", _nbytes(staging) + (_nbytes(out) if out is not staging else 0),
-                            what=f"reduce_grad_start of {record.name}", ledger=record.ledger)
-
-    def reduce_grad_wait(self, record: ParamRecord, tile: int | None = None) -> None:
-        """Finish the oldest in-flight reduce of ``uid`` and add it to the gradient shard.
+    def reduce_grad_wait(self, unit: Unit) -> None:
+        """Finish the oldest reduce of ``unit`` and add each piece's slice to its gradient shard.
 
         The gradient shard lives where the optimizer steps: on the device, or
         in CPU memory for cpu and nvme optimizer tiers (the device-to-CPU copy
         happens here, right after the reduction).
         """
-        if tile is not None:
-            return self._tile_reduce_wait(record, tile)
-        if not record._reduces:
-            raise ZinfStoreError(f"reduce_grad_wait for {record.name} without a reduce_grad_start")
-        work, out, staging, private = record._reduces.pop(0)
+        work, out = self._pop("reduce", unit, "reduce_grad_wait")
         work.wait()
-        self._add_transient("device", -(_nbytes(staging) + (_nbytes(out) if out is not staging else 0)),
-                            ledger=record.ledger)
-        if record.partition == "broadcast":
-            if record.rank != record.owner:
+        if out is None:
+            return  # added at the start (world size 1)
+        self._add_transient("device", -unit.sizes.reduce, ledger=self._ledger_of(unit))
+        if unit.partition == "broadcast":
+            if unit.pieces[0].layout.rank != unit.pieces[0].layout.owner:
                 return
-            out = out / record.world_size
-        if record.compute_dtype == torch.float16:
+            if unit.world_size > 1:
+                out = out / unit.world_size
+        if unit.compute_dtype == torch.float16:
             out = out.to(torch.float32) / self.fp16_scaler.scale
             self.fp16_scaler.check(out)
+        whole = len(unit.pieces) == 1  # ``out`` is then the piece's own, fresh tensor
+        for index, piece in enumerate(unit.pieces):
+            start = unit.offsets[index]
+            self._accumulate(piece, out[start : start + piece.width], private=whole)
+
+    def _accumulate(self, piece, reduced: torch.Tensor, private: bool) -> None:
+        """Add a piece's reduced slice into its parameter's gradient shard (or its swap files).
+
+        ``private``: ``reduced`` is a fresh tensor nobody else holds (it may become the shard).
+        """
+        record = piece.layout
+        start, stop = piece.local_range
+        if stop == start:
+            return
         if record.opt_tier == "nvme":
-            self._swap_grad(record, out)
+            if (start, stop) == (0, record.local_numel):
+                self._swap_grad(record, reduced)
+                return
+            # A tile: the swap files take the whole slice, so tiles collect in CPU memory first.
+            if record.grad_pending is None:
+                record.grad_pending = (torch.zeros(record.local_numel, dtype=torch.float32), set())
+                self._add_transient("cpu", _nbytes(record.grad_pending[0]), ledger=record.ledger)
+            collected, done = record.grad_pending
+            collected[start:stop].copy_(reduced)
+            done.add(piece.tile)
+            if len(done) == len(record.tile_rows):
+                record.grad_pending = None
+                self._add_transient("cpu", -_nbytes(collected), ledger=record.ledger)
+                self._swap_grad(record, collected)
             return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         if record.grad_shard is None:
-            # ``private``: already a copy of our own, in fp32 where the optimizer steps.
-            record.grad_shard = out if private else out.to(device=grad_device, dtype=torch.float32, copy=True)
+            if (private and (start, stop) == (0, record.local_numel) and reduced.dtype == torch.float32
+                    and reduced.device == grad_device):
+                record.grad_shard = reduced  # already a copy of our own, in fp32 where the optimizer steps
+            else:
+                record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
+                record.grad_shard[start:stop].copy_(reduced)
             self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard), ledger=record.ledger)
         else:
-            record.grad_shard.add_(out.to(grad_device))
+            record.grad_shard[start:stop].add_(reduced.to(grad_device))
+
+    def abandon_transfers(self) -> None:
+        """Forget every transfer in flight (a graph raised half way): give back pinned buffers and counted bytes.
+
+        Transfers still running finish into buffers nobody reads; without this
+        the next call would pair its waits with the stale starts.  Called
+        between top-level graph calls, where nothing may be gathered or in flight.
+        """
+        if not self._transfers and self.process.transient["device"] == 0:
+            return
+        for (step, _), entries in list(self._transfers.items()):
+            for entry in entries:
+                if step == "nc":
+                    requests, staging = entry
+                    for request in requests:
+                        try:
+                            request.wait()
+                        except AioError:
+                            pass  # the read's buffer is discarded either way
+                    staging.release()
+                elif step == "cg":
+                    _, staging, works = entry
+                    _finish_copies(works, staging)
+        self._transfers.clear()
+        self.process.transient["device"] = 0
+        for record in self._records.values():
+            record.ledger.transient["device"] = 0
+
+    def _bucketed(self, records: list[ParamRecord]) -> list[Unit]:
+        """Units of ``records`` for the optimizer's own collectives: buckets of up to ``bucket_bytes`` gathered."""
+        units, bucket, held = [], [], 0
+        for record in records:
+            nbytes = record.gathered_numel * record.compute_dtype.itemsize
+            if bucket and (held + nbytes > record.bucket_bytes or not can_share_unit(bucket[0], record)):
+                units.append(self.unit(bucket))
+                bucket, held = [], 0
+            bucket.append(record)
+            held += nbytes
+        if bucket:
+            units.append(self.unit(bucket))
+        return units
 
     def reduce_full_grads(self, records: Iterable[ParamRecord]) -> None:
-        """Stage 1: reduce the full ``param.grad`` of each record into its gradient shard."""
-        started = []
+        """Stage 1: reduce the full ``param.grad`` of each record into its gradient shard, bucketed."""
+        records = [record for record in records if record.param.grad is not None]
+        units = self._bucketed(records)
+        for unit in units:
+            self.reduce_grad_start(unit, [piece.layout.param.grad for piece in unit.pieces])
+        for unit in units:
+            self.reduce_grad_wait(unit)
         for record in records:
-            if record.param.grad is not None:
-                self.reduce_grad_start(record, record.param.grad)
-                started.append(record)
-        for record in started:
-            self.reduce_grad_wait(record)
             record.param.grad = None
 
     def _swap_grad(self, record: ParamRecord, reduced: torch.Tensor) -> None:
@@ -1258,13 +969,13 @@ class ParamStore:
     def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""
         # Frozen parameters never change: nothing to rebuild, no collective to pay.
-        records = [r for r in records if r.stage in (1, 2) and r.trainable]
-        for record in records:
-            self.gather_start(record)
-        for record in records:
-            full = self.gather_wait(record)
-            record.param.data.copy_(full)
-            self.release(record)
+        units = self._bucketed([r for r in records if r.stage in (1, 2) and r.trainable])
+        for unit in units:
+            self.gather_start(unit)
+        for unit in units:
+            for piece, full in zip(unit.pieces, self.gather_wait(unit)):
+                piece.layout.param.data.copy_(full)
+            self.release(unit)
 
     def sync_written_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1-2: carry in-place writes to a full parameter (``load_state_dict``, ``nn.init``,
@@ -1286,9 +997,10 @@ class ParamStore:
         """A full copy of the parameter's current value (collective: every rank must call)."""
         if record.stage != 3:
             return record.param.detach().clone()
-        self.gather_start(record)
-        full = self.gather_wait(record).clone()
-        self.release(record)
+        unit = self.unit([record])
+        self.gather_start(unit)
+        full = self.gather_wait(unit)[0].clone()
+        self.release(unit)
         return full
 
     # --- accounting --------------------------------------------------------------
@@ -1352,11 +1064,11 @@ class ParamStore:
                 ledgers.append(record.ledger)
             else:
                 pending.append(param)
-        ledger = _merge(ledgers) if ledgers else None
+        ledger = merge_ledgers(ledgers) if ledgers else None
         for param in pending:
             entry = self._pending_ledgers.get(id(param))
             if entry is not None and entry[0]() is param:
-                ledger = _merge([ledger, entry[1]]) if ledger is not None else entry[1].root()
+                ledger = merge_ledgers([ledger, entry[1]]) if ledger is not None else entry[1].root()
         if ledger is None:
             ledger = Ledger()
         for param in pending:
@@ -1484,16 +1196,19 @@ class _DoneWork:
 _DONE = _DoneWork()
 
 
-def _finish_copy(work, staging) -> None:
-    """A cg copy is done for the graph; its pinned staging buffer (nc) goes back once the host sees it done."""
+def _finish_copies(works: list, staging) -> None:
+    """cg copies are done for the graph; their pinned staging buffer (nc) goes back once the host sees them done."""
     if staging is None:
-        work.wait()
+        for work in works:
+            work.wait()
         return
     try:
-        work.synchronize()
+        for work in works:
+            work.synchronize()
     finally:
         staging.release()
-    work.wait()
+    for work in works:
+        work.wait()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -1507,29 +1222,6 @@ def _tile_rows(tile_rows, param: torch.Tensor) -> tuple[int, ...] | None:
     if param.dim() < 2 or sum(tile_rows) != param.shape[0] or min(tile_rows) < 1:
         raise ZinfStoreError(f"tile_rows {tile_rows} do not split the {tuple(param.shape)} parameter's rows")
     return tile_rows
-
-
-def _untile(record: ParamRecord, gathered: torch.Tensor) -> torch.Tensor:
-    """The full parameter from an all-gather of tile-major shards (rank-major: every rank's tiles in turn)."""
-    by_rank = gathered.view(record.world_size, record.shard_numel)
-    pieces = []
-    for tile in range(len(record.tile_rows)):
-        start, stop = record.tile_local_range(tile)
-        pieces.append(by_rank[:, start:stop].reshape(-1)[: record.tile_numel(tile)])
-    return torch.cat(pieces).view(record.shape)
-
-
-def _tile_major_into(record: ParamRecord, staging: torch.Tensor, flat: torch.Tensor) -> None:
-    """Scatter a full flat gradient into a zeroed reduce-scatter input laid out like :func:`_untile`'s."""
-    by_rank = staging.view(record.world_size, record.shard_numel)
-    begin = 0
-    for tile in range(len(record.tile_rows)):
-        start, stop = record.tile_local_range(tile)
-        numel = record.tile_numel(tile)
-        padded = torch.zeros((stop - start) * record.world_size, dtype=staging.dtype, device=staging.device)
-        padded[:numel].copy_(flat[begin : begin + numel])
-        by_rank[:, start:stop].copy_(padded.view(record.world_size, stop - start))
-        begin += numel
 
 
 def _padded_view(view, offset: int, nbytes: int):

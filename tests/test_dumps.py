@@ -142,3 +142,31 @@ def test_verifier_requires_one_wait_per_start_and_one_release_per_gather():
     ctx, dumper = _ctx({})
     with pytest.raises(ZinfVerifyError, match="has 0 waits"):
         run_passes(_toy_graph(), ctx, dumper, pipeline=[_pass("orphan", orphan_start)])
+
+
+@pytest.mark.parametrize("stage, offload", [(3, "none"), (3, "cpu"), (3, "nvme"), (2, "none")])
+def test_dump_header_bytes_per_tier_match_memory_report(tmp_path, stage, offload):
+    """Issue 13 acceptance 3: the header's parameter bytes per tier are what memory_report counts."""
+    import re
+
+    import zinf_compiler as zinf
+    from zinf_compiler.gpt import GPT, synthetic_batches
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, frozen_scale=True))
+    options = {"lower": "eager", "stage": stage, "offload_param": offload, "dump_dir": str(tmp_path / "dump")}
+    if offload == "nvme":
+        options["nvme_path"] = str(tmp_path)
+    compiled = torch.compile(model, backend="zinf", options=options)
+    idx, targets = synthetic_batches(model.cfg, 2, 1)[0]
+    with torch.no_grad():
+        compiled(idx, targets)
+    (entry,) = read_index(str(tmp_path / "dump"))["graphs"]
+    kind, stages = next(iter(entry["graphs"].items()))
+    header = (tmp_path / "dump" / entry["folder"] / stages[-1]["file"]).read_text()
+    line = re.search(r"parameter bytes per tier[^:]*: device ([\d,]+), cpu ([\d,]+), nvme ([\d,]+)", header)
+    in_header = dict(zip(("device", "cpu", "nvme"), (int(x.replace(",", "")) for x in line.groups())))
+    report = zinf.memory_report(compiled)
+    assert in_header == {tier: report[tier]["params"] for tier in ("device", "cpu", "nvme")}, (in_header, report)
+    assert in_header[{"none": "device"}.get(offload, offload)] > 0

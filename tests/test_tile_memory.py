@@ -41,16 +41,18 @@ def test_tiling_cuts_working_memory_by_the_factor(untiled, factor):
     tiled = measure(factor)
     assert all(rows is None for rows in untiled["tile_rows"].values())
     assert len(tiled["tile_rows"]["0.weight"]) == factor and len(tiled["tile_rows"]["2.weight"]) == factor
-    # Untiled, the working set holds at least one whole weight.
-    assert untiled["peak_transient_device"] >= untiled["weight_bytes"]
-    ratio = untiled["peak_transient_device"] / tiled["peak_transient_device"]
-    assert ratio >= 0.8 * factor, (untiled, tiled)
+    # Untiled, the working set holds a whole weight and the next one being copied in.
+    assert untiled["peak_transient_device"] >= 2 * untiled["weight_bytes"]
+    # Tiled, it holds three tiles: one in use, the next gathered (prefetch_gg=1)
+    # and the one after being copied in (prefetch_cg=2); nothing else of note.
+    tile_bytes = tiled["weight_bytes"] // factor
+    assert 3 * tile_bytes <= tiled["peak_transient_device"] <= 3 * tile_bytes + (64 << 10), (untiled, tiled)
     for run in (untiled, tiled):
         # The OS agrees: the resident set grows by the accounted bytes (the accounting
         # here is all working memory: gradient shards and optimizer state exist already).
         assert run["accounted_growth"] == run["peak_transient_device"]
         assert abs(run["rss_growth"] - run["accounted_growth"]) <= 0.1 * run["accounted_growth"] + NOISE_BYTES, run
-    assert untiled["rss_growth"] / tiled["rss_growth"] >= 0.8 * factor * 0.8
+    assert untiled["rss_growth"] / tiled["rss_growth"] >= 0.8 * (2 * factor / 3)
 
 
 def test_tiles_on_nvme_are_read_alone(tmp_path):
@@ -63,4 +65,36 @@ def test_tiles_on_nvme_are_read_alone(tmp_path):
     # one used in forward may stay gathered for the first use in backward).
     assert untiled_nvme["bytes_read"] >= 1.5 * weights_bytes
     assert tiled_nvme["bytes_read"] <= 1.05 * untiled_nvme["bytes_read"], (untiled_nvme, tiled_nvme)
-    assert tiled_nvme["peak_transient_device"] * 3 < untiled_nvme["peak_transient_device"]
+    assert tiled_nvme["peak_transient_device"] * 2 < untiled_nvme["peak_transient_device"]
+
+
+def test_tile_factor_8_working_set_is_a_quarter_of_untiled():
+    """Issue 13 acceptance 5: a 256 -> 4096 -> 256 MLP at stage 3 (world 1, device tier): the peak of
+    gathered and in-flight device bytes over a forward, backward and step at tile_factor=8 is at most
+    0.25x of untiled (two tiles, the one in use and the next, against one whole weight)."""
+    import torch
+    import torch.nn as nn
+
+    import zinf_compiler as zinf
+    from zinf_compiler.runtime.store import STORE
+
+    peaks = {}
+    weight_bytes = 4096 * 256 * 4
+    for factor in (1, 8):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 4096), nn.GELU(), nn.Linear(4096, 256))
+        options = {"stage": 3, "lower": "eager", "tile_factor": factor,
+                   "tile_threshold": weight_bytes - 1 if factor > 1 else 2 * weight_bytes}
+        compiled = torch.compile(model, backend="zinf", options=options)
+        opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(16, 256)
+        for step in range(2):
+            if step == 1:
+                zinf.reset_peak_memory(model)
+            compiled(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        peaks[factor] = STORE.group(model.parameters()).peak_transient["device"]
+    assert peaks[1] >= weight_bytes
+    assert peaks[8] <= 0.25 * peaks[1], peaks

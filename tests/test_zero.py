@@ -7,7 +7,10 @@ import pytest
 from multirank import run_ranks
 
 MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-CONFIGS = [{"stage": 0}] + [{"stage": s, "partition": p} for s in (1, 2, 3) for p in ("allgather", "broadcast")]
+CONFIGS = [{"stage": 0}] + [{"stage": s, "partition": p} for s in (1, 2, 3) for p in ("allgather", "broadcast")] + [
+    {"stage": 3, "partition": "allgather", "bucket_bytes": 0},  # one collective per parameter
+    {"stage": 3, "partition": "allgather", "bucket_bytes": 12_000},  # blocks split over several buckets
+]
 
 
 def _check(results, world):
@@ -51,7 +54,9 @@ OFFLOAD_CONFIGS = [
     {"stage": 3, "offload_param": param_tier, "offload_optimizer": opt_tier}
     for param_tier, opt_tier in (("cpu", "none"), ("nvme", "none"), ("none", "cpu"), ("none", "nvme"),
                                  ("cpu", "cpu"), ("nvme", "nvme"))
-] + [{"stage": 2, "offload_optimizer": "nvme"}, {"stage": 1, "offload_optimizer": "cpu"}]
+] + [{"stage": 2, "offload_optimizer": "nvme"}, {"stage": 1, "offload_optimizer": "cpu"},
+      # One unit per parameter on every fetch step (nc, cg, gather), as before buckets.
+      {"stage": 3, "offload_param": "nvme", "offload_optimizer": "cpu", "bucket_bytes": 0}]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -69,8 +74,44 @@ def test_offloaded_training_matches_eager(world):
             assert report["nvme"]["optimizer"] > 0 and report["device"]["optimizer"] == 0, report
 
 
+def _check_collective_counts(results, world):
+    """Issue 13 acceptance 1: with default buckets, per step at most 2 all-gathers and 1 reduce-scatter
+    per block plus a constant (the parameters outside the blocks), and one per parameter without buckets."""
+    if world == 1:
+        return
+    blocks, params = MODEL["n_layer"], 4 + 12 * MODEL["n_layer"]  # wte, wpe, ln_f (2); 12 per block
+    for config_result in results[0]:
+        config, calls = config_result["config"], config_result["calls_per_step"]
+        if config.get("partition", "allgather") != "allgather":
+            continue
+        gathers, reduces = calls.get("all_gather", 0), calls.get("reduce_scatter", 0)
+        bucket_bytes = config.get("bucket_bytes", 64 << 20)
+        if bucket_bytes == 0:
+            assert reduces == params and gathers > params, (config, calls)
+        elif bucket_bytes == 64 << 20:
+            # Outside the blocks: wte+wpe before them and ln_f after, in forward; frozen_scale is not reduced.
+            assert reduces <= blocks + 2, (config, calls)
+            if config["stage"] == 3:
+                assert gathers <= 2 * blocks + 4, (config, calls)
+            else:
+                assert gathers <= blocks + 2, (config, calls)  # the refresh after the step
+        else:
+            assert blocks + 2 < reduces < params, (config, calls)
+
+
+def test_offloaded_and_bucketed_at_world_4():
+    """Issue 13 acceptance 2: buckets with shards on CPU memory and on NVMe at world size 4, and one
+    collective per parameter on NVMe."""
+    configs = [{"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+               {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "bucket_bytes": 0}]
+    results = run_ranks(4, "zero_worker", {"model": MODEL, "steps": 3, "batch": 1, "configs": configs})
+    _check(results, 4)
+    _check_collective_counts(results, 4)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_zero_stages_match_eager(world):
     results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": CONFIGS})
     _check(results, world)
     _check_memory_report(results, world)
+    _check_collective_counts(results, world)

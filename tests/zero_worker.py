@@ -40,7 +40,9 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
     zinf_losses, eager_losses, norms, ref_norms = [], [], [], []
     COMM.reset_traffic()
-    for idx, targets in synthetic_batches(cfg, batch * world, steps):
+    for step, (idx, targets) in enumerate(synthetic_batches(cfg, batch * world, steps)):
+        if step == 1:
+            calls_after_first = dict(COMM.calls)  # the first step also broadcasts at adoption
         mine = slice(rank * batch, (rank + 1) * batch)
         loss = compiled(idx[mine], targets[mine])
         loss.backward()
@@ -67,13 +69,16 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
             ref_opt.zero_grad()
             ref_sched.step()
             eager_losses.append(ref_loss.item())
+    calls_per_step = {kind: (calls - calls_after_first.get(kind, 0)) / (steps - 1)
+                      for kind, calls in COMM.calls.items()}
     grads_are_none = all(p.grad is None for p in model.parameters())
     state = zinf.full_state_dict(compiled)
     param_numels = {name: p.numel() for name, p in model.named_parameters()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     result = {"config": config, "zinf_losses": zinf_losses, "norms": norms, "report": report, "held": held,
               "param_numels": param_numels, "trainable": sorted(trainable),
-              "grads_are_none": grads_are_none, "traffic": dict(COMM.traffic_bytes)}
+              "grads_are_none": grads_are_none, "traffic": dict(COMM.traffic_bytes),
+              "calls_per_step": calls_per_step}
     if rank == 0:
         errors = {}
         for name, expected in reference.state_dict().items():

@@ -30,7 +30,9 @@ from .cost_model import CostModel, profile_machine
 from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
 from .runtime.binding import Binding, bind_backward, bound
+from .runtime.binding import active as binding_active
 from .runtime.store import DTYPES, STORE, ZinfStoreError
+from .runtime.units import layout_of
 from .dump import GraphDumper
 from .options import ZinfOptions, parse_options
 from .pipeline import run_passes
@@ -76,6 +78,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
             record = _adopt(captured, position, param, tile_plans.get(position), ledger)
             if record.tile_rows is not None:
                 captured.tile_rows[position] = record.tile_rows
+            captured.layouts[position] = layout_of(record)
             adopted.append(record)
     _plan_schedule(captured, options)
     dumper = GraphDumper(captured)
@@ -105,6 +108,7 @@ def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_row
         param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
         param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
         opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
+        bucket_bytes=options.bucket_bytes,
     )
 
 
@@ -155,6 +159,10 @@ def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
         # inputs are tensors and numbers, never a list.
         boxed = len(args) == 1 and isinstance(args[0], list)
         binding = bind(args[0] if boxed else args)
+        if not binding_active():
+            # Transfers left in flight by a graph that raised half way (forward or
+            # backward) would pair with this call's waits: drop them first.
+            STORE.abandon_transfers()
         with bound(binding):
             outputs = compiled(*args)
         bind_backward(outputs, binding)

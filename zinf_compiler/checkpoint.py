@@ -784,9 +784,9 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
 @contextlib.contextmanager
 def _gathered(record: ParamRecord):
     """The full parameter for the block (collective), released after it; never a second full copy."""
-    STORE.gather_start(record)
+    unit = STORE.unit([record])
+    STORE.gather_start(unit)
     try:
-        full = STORE.gather_wait(record)
-        yield full
+        yield STORE.gather_wait(unit)[0]
     finally:
-        STORE.release(record)
+        STORE.release(unit)

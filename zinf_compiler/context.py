@@ -70,6 +70,10 @@ class CapturedGraph:
     # Dynamo position -> rows per tile of a parameter the tile pass splits
     # (its layout in the store, fixed when the parameter was first adopted).
     tile_rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # Dynamo position -> the fixed layout of the parameter adopted there
+    # (:class:`zinf_compiler.runtime.units.ParamLayout`, a copy): what the
+    # passes size units with (see zinf_compiler/plan.py).
+    layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
     world_size: int = 1
     # Caps the schedule pass keeps (set by the backend): device bytes gathered
     # or in flight (max_live_bytes, None: no cap) and pinned host bytes the nc

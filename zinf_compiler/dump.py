@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import plan
 from .context import CapturedGraph, GraphContext
 
 INDEX_FILE = "index.json"
@@ -139,12 +140,12 @@ class GraphDumper:
             return
         after = op_counts(gm)
         change = describe_count_change(before, after) if before is not None else f"{sum(after.values())} ops"
-        tier_bytes = ctx.facts.get("tier_bytes", {"device": ctx.param_bytes(), "cpu": 0, "nvme": 0})
+        tier_bytes = plan.param_bytes_per_tier(ctx)
         header = [
             f"zinf dump: graph {ctx.graph_id} {ctx.kind}, after {stage!r} (step {step})",
             f"ops: {change}",
             f"parameters: {len(ctx.params)} in this graph, {ctx.param_bytes():,} bytes",
-            "parameter bytes per tier: " + ", ".join(f"{tier} {count:,}" for tier, count in tier_bytes.items()),
+            "parameter bytes per tier (this rank, between steps): " + ", ".join(f"{tier} {count:,}" for tier, count in tier_bytes.items()),
             f"pass time: {seconds * 1000:.1f} ms",
         ] + list(extra_header or [])
         filename = f"{ctx.kind}.{step:02d}_{stage}.py"

@@ -29,9 +29,11 @@ def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
 
 
 def _fake_mode(args: tuple) -> Any:
-    for arg in args:
-        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), FakeTensor):
-            return arg.meta["val"].fake_mode
+    found = []
+    torch.fx.node.map_arg(args, lambda node: found.append(node.meta.get("val")))
+    for value in found:
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
     return None
 
 
@@ -42,7 +44,7 @@ def call_op(graph: torch.fx.Graph, op: Any, args: tuple, name: str | None = None
         node._rename(name)
     mode = _fake_mode(args)
     if mode is not None:
-        fake_args = tuple(arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args)
+        fake_args = torch.fx.node.map_arg(args, lambda node: node.meta["val"])
         with mode:
             node.meta["val"] = op(*fake_args)
     return node

@@ -3,11 +3,12 @@
 Every asynchronous step is a pair: a ``*_start`` op that begins the transfer
 and returns a token (a 0-element tensor that only orders the pair), and a
 ``*_wait`` op that consumes the token.  The schedule pass only moves these
-nodes; it never changes what they mean.  Each op calls into the runtime
-store by parameter *slot*: the parameter's position among the Dynamo graph's
-inputs, resolved at run time against the parameters of the call in progress
-(:mod:`zinf_compiler.runtime.binding`), so one compiled graph serves every
-module Dynamo hands it.  Each op has a fake kernel for tracing, and ops that
+nodes; it never changes what they mean.  Each op moves one *unit*
+(:mod:`zinf_compiler.runtime.units`: a bucket of parameters, one parameter, or
+one row tile of one) and names its parameters by *slot*: their positions among
+the Dynamo graph's inputs, resolved at run time against the parameters of the
+call in progress (:mod:`zinf_compiler.runtime.binding`), so one compiled graph
+serves every module Dynamo hands it.  Each op has a fake kernel for tracing, and ops that
 return nothing are marked side-effecting so that dead code elimination keeps
 them.
 """
@@ -21,55 +22,59 @@ from zinf_compiler.runtime.comm import COMM
 from zinf_compiler.runtime.store import STORE
 
 
-def _record(slot: int):
-    return binding.current().record(slot)
+def _unit(slots: list[int], tile: int):
+    """The store's unit for ``slots`` (a bucket, or one parameter) bound in the call in progress.
+
+    ``tile=-1``: whole parameters; else that row tile of the one parameter in ``slots``.
+    """
+    binding_now = binding.current()
+    return STORE.unit([binding_now.record(slot) for slot in slots], None if tile < 0 else tile)
 
 
 def _token(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=like.device)
 
 
-def _tile(tile: int) -> int | None:
-    """Ops take ``tile=-1`` for the whole parameter, else the row tile (of a tiled parameter) they move."""
-    return None if tile < 0 else tile
-
-
 @torch.library.custom_op("zinf::nc_start", mutates_args=())
-def nc_start(param: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
-    """Begin reading the parameter in ``slot``'s shard from NVMe into a pinned CPU buffer (for ``tile``, if >= 0)."""
-    STORE.nc_start(_record(slot), _tile(tile))
+def nc_start(param: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
+    """Begin reading the shards of the parameters in ``slots`` (or of one's ``tile``) from NVMe into a pinned buffer.
+
+    ``param``: the first one's placeholder (gives the token its device).
+    """
+    STORE.nc_start(_unit(slots, tile))
     return _token(param)
 
 
 @torch.library.custom_op("zinf::nc_wait", mutates_args=())
-def nc_wait(token: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
+def nc_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
     """Finish the NVMe read; returns a token ordering the CPU-to-device copy after it."""
-    STORE.nc_wait(_record(slot), _tile(tile))
+    STORE.nc_wait(_unit(slots, tile))
     return _token(token)
 
 
 @torch.library.custom_op("zinf::cg_start", mutates_args=())
-def cg_start(after: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
-    """Begin copying the parameter in ``slot``'s shard (or its slice of ``tile``) from CPU memory to the device."""
-    STORE.cg_start(_record(slot), _tile(tile))
+def cg_start(after: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
+    """Begin copying the shards of ``slots`` (or their slice of ``tile``) from CPU memory to the device."""
+    STORE.cg_start(_unit(slots, tile))
     return _token(after)
 
 
 @torch.library.custom_op("zinf::cg_wait", mutates_args=())
-def cg_wait(token: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
-    """Finish the copy; the shard is staged on the device for the gather."""
-    STORE.cg_wait(_record(slot), _tile(tile))
+def cg_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
+    """Finish the copy; the shards are staged on the device for the gather."""
+    STORE.cg_wait(_unit(slots, tile))
     return _token(token)
 
 
 @torch.library.custom_op("zinf::gather_start", mutates_args=())
-def gather_start(param: torch.Tensor, slot: int, after: torch.Tensor | None = None, tile: int = -1) -> torch.Tensor:
-    """Begin assembling the full the parameter in ``slot`` (``param`` is its storage-less placeholder).
+def gather_start(param: torch.Tensor, slots: list[int], after: torch.Tensor | None = None,
+                 tile: int = -1) -> torch.Tensor:
+    """Begin assembling the full parameters in ``slots`` with one collective (``param``: the first's placeholder).
 
-    ``after``: the token of the fetch (cg) that staged the shard, if any.
-    ``tile`` >= 0: assemble only that row tile of a tiled parameter.
+    ``after``: the token of the fetch (cg) that staged the shards, if any.
+    ``tile`` >= 0: assemble only that row tile of the one tiled parameter.
     """
-    STORE.gather_start(_record(slot), _tile(tile))
+    STORE.gather_start(_unit(slots, tile))
     return _token(param)
 
 
@@ -78,52 +83,53 @@ for _token_op in (nc_start, nc_wait, cg_start, cg_wait, gather_start):
 
 
 @torch.library.custom_op("zinf::gather_wait", mutates_args=())
-def gather_wait(token: torch.Tensor, param: torch.Tensor, slot: int, tile: int = -1, tile_rows: int = 0) -> torch.Tensor:
-    """Finish the gather started with ``token``: the full parameter, shaped like ``param``.
+def gather_wait(token: torch.Tensor, params: list[torch.Tensor], slots: list[int], tile: int = -1,
+                tile_rows: int = 0) -> list[torch.Tensor]:
+    """Finish the gather started with ``token``: the full parameters, shaped like ``params``.
 
-    ``tile`` >= 0: only that row tile, ``tile_rows`` rows of ``param``.
+    ``tile`` >= 0: only that row tile, ``tile_rows`` rows of the one parameter.
     """
-    return STORE.gather_wait(_record(slot), _tile(tile))
+    return STORE.gather_wait(_unit(slots, tile))
 
 
 @gather_wait.register_fake
-def _(token, param, slot, tile=-1, tile_rows=0):
+def _(token, params, slots, tile=-1, tile_rows=0):
     if tile >= 0:
-        return param.new_empty((tile_rows,) + tuple(param.shape[1:]))
-    return torch.empty_like(param, memory_format=torch.contiguous_format)
+        return [params[0].new_empty((tile_rows,) + tuple(params[0].shape[1:]))]
+    return [torch.empty_like(param, memory_format=torch.contiguous_format) for param in params]
 
 
 @torch.library.custom_op("zinf::release", mutates_args=())
-def release(gathered: torch.Tensor, slot: int, tile: int = -1) -> None:
-    """The last use of a gathered parameter (or tile) has run: its bytes stop counting as held."""
-    STORE.release(_record(slot), _tile(tile))
+def release(gathered: list[torch.Tensor], slots: list[int], tile: int = -1) -> None:
+    """The last use of the gathered parameters (or tile) has run: their bytes stop counting as held."""
+    STORE.release(_unit(slots, tile))
 
 
 @release.register_fake
-def _(gathered, slot, tile=-1):
+def _(gathered, slots, tile=-1):
     return None
 
 
 @torch.library.custom_op("zinf::reduce_grad_start", mutates_args=())
-def reduce_grad_start(grad: torch.Tensor, slot: int, tile: int = -1) -> torch.Tensor:
-    """Begin reducing the parameter in ``slot``'s gradient (of row ``tile``, if >= 0) over ranks into its owning shard."""
-    STORE.reduce_grad_start(_record(slot), grad, _tile(tile))
-    return _token(grad)
+def reduce_grad_start(grads: list[torch.Tensor], slots: list[int], tile: int = -1) -> torch.Tensor:
+    """Begin reducing the gradients of the parameters in ``slots`` (of row ``tile``, if >= 0) with one collective."""
+    STORE.reduce_grad_start(_unit(slots, tile), grads)
+    return _token(grads[0])
 
 
 @reduce_grad_start.register_fake
-def _(grad, slot, tile=-1):
-    return grad.new_empty(0, dtype=torch.uint8)
+def _(grads, slots, tile=-1):
+    return grads[0].new_empty(0, dtype=torch.uint8)
 
 
 @torch.library.custom_op("zinf::reduce_grad_wait", mutates_args=())
-def reduce_grad_wait(token: torch.Tensor, slot: int, tile: int = -1) -> None:
-    """Finish the reduce started with ``token``; the result is in the store's gradient shard."""
-    STORE.reduce_grad_wait(_record(slot), _tile(tile))
+def reduce_grad_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> None:
+    """Finish the reduce started with ``token``; the results are in the store's gradient shards."""
+    STORE.reduce_grad_wait(_unit(slots, tile))
 
 
 @reduce_grad_wait.register_fake
-def _(token, slot, tile=-1):
+def _(token, slots, tile=-1):
     return None
 
 
@@ -154,3 +160,19 @@ REDUCE_GRAD_START = torch.ops.zinf.reduce_grad_start.default
 REDUCE_GRAD_WAIT = torch.ops.zinf.reduce_grad_wait.default
 ALL_REDUCE_GRAD = torch.ops.zinf.all_reduce_grad.default
 START_TO_WAIT = {NC_START: NC_WAIT, CG_START: CG_WAIT, GATHER_START: GATHER_WAIT, REDUCE_GRAD_START: REDUCE_GRAD_WAIT}
+
+
+def arg(node, name: str):
+    """A zinf op node's argument by its schema name (``slots``, ``tile``, ``after``, ...), not by position."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(name, argument.default_value if argument.has_default_value() else None)
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
+def tile_of(node) -> int | None:
+    """The row tile a zinf op moves, or None for whole parameters."""
+    tile = arg(node, "tile")
+    return None if tile is None or tile < 0 else tile

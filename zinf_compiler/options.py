@@ -140,6 +140,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("tile_threshold", 256 * 1024**2, parse_bytes, "a matmul whose weight exceeds this many bytes is tiled"),
     OptionSpec("tile_factor", "auto", _or_keyword("auto", _int_at_least(1), "an integer >= 1"),
                "tiles per oversized matmul"),
+    OptionSpec("bucket_bytes", 64 * 1024**2, parse_bytes,
+               "gathered bytes one bucket of parameters (one all-gather, one reduce-scatter) may hold; "
+               "0: one collective per parameter"),
     OptionSpec("prefetch_nc", 3, _int_at_least(0), "ops ahead to start NVMe->CPU reads"),
     OptionSpec("prefetch_cg", 2, _int_at_least(0), "ops ahead to start CPU->device copies"),
     OptionSpec("prefetch_gg", 1, _int_at_least(0), "ops ahead to start allgathers"),
@@ -190,6 +193,7 @@ class ZinfOptions:
     param_dtype: str
     tile_threshold: int
     tile_factor: int | str
+    bucket_bytes: int
     prefetch_nc: int
     prefetch_cg: int
     prefetch_gg: int

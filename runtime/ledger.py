@@ -1,0 +1,81 @@
+"""Bytes held per tier, per model and for the process: the runtime's accounting.
+
+Resting bytes (shards, masters, gradient shards, optimizer state, the pinned
+pool) and transient bytes (gathered or in flight, counted by the store from
+each unit's sizes, see units.py), their peaks, and the device budget
+``device_memory_limit`` that transient device bytes may not pass.
+"""
+
+from __future__ import annotations
+
+
+class ZinfStoreError(RuntimeError):
+    """A parameter cannot be adopted or used the way it was asked for."""
+
+
+class ZinfBudgetError(ZinfStoreError):
+    """An op would hold more gathered and in-flight device bytes than ``device_memory_limit`` allows."""
+
+
+class Ledger:
+    """Bytes one model holds per tier, resting (shards, gradients, optimizer state) and transient
+    (gathered or in flight), their peaks since :meth:`reset_peak`, and its device budget."""
+
+    def __init__(self, device_memory_limit: int | None = None):
+        self.resting = {"device": 0, "cpu": 0}
+        self.transient = {"device": 0, "cpu": 0}
+        self.peak = {"device": 0, "cpu": 0}
+        self.peak_transient = {"device": 0, "cpu": 0}
+        # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
+        self.device_memory_limit = device_memory_limit
+        self.merged_into: Ledger | None = None
+
+    def root(self) -> "Ledger":
+        ledger = self
+        while ledger.merged_into is not None:
+            ledger = ledger.merged_into
+        return ledger
+
+    def add_resting(self, tier: str, delta: int) -> None:
+        self.resting[tier] += delta
+        self._note_peak(tier)
+
+    def add_transient(self, tier: str, delta: int, what: str | None = None) -> None:
+        limit = self.device_memory_limit
+        if tier == "device" and delta > 0 and limit is not None and self.transient[tier] + delta > limit:
+            raise ZinfBudgetError(
+                f"device_memory_limit exceeded: {what or 'a transfer'} needs {delta:,} bytes on the device while "
+                f"{self.transient[tier]:,} bytes are already gathered or in flight ({self.transient[tier] + delta:,} "
+                f"> device_memory_limit={limit:,}); raise device_memory_limit, let the tile pass split the op "
+                f"(a lower tile_threshold, a larger tile_factor or tile_factor='auto'), or lower max_live_bytes"
+            )
+        self.transient[tier] += delta
+        self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
+        self._note_peak(tier)
+
+    def _note_peak(self, tier: str) -> None:
+        self.peak[tier] = max(self.peak[tier], self.resting[tier] + self.transient[tier])
+
+    def reset_peak(self) -> None:
+        for tier in self.peak:
+            self.peak[tier] = self.resting[tier] + self.transient[tier]
+            self.peak_transient[tier] = self.transient[tier]
+
+
+def merge_ledgers(ledgers: list) -> Ledger:
+    """One ledger for all of ``ledgers`` (their roots): the first absorbs the others' figures."""
+    roots = []
+    for ledger in ledgers:
+        root = ledger.root()
+        if all(root is not seen for seen in roots):
+            roots.append(root)
+    target = roots[0]
+    for other in roots[1:]:
+        for figures in ("resting", "transient", "peak", "peak_transient"):
+            mine, theirs = getattr(target, figures), getattr(other, figures)
+            for tier in mine:
+                mine[tier] += theirs[tier]
+        limits = [limit for limit in (target.device_memory_limit, other.device_memory_limit) if limit is not None]
+        target.device_memory_limit = min(limits) if limits else None
+        other.merged_into = target
+    return target

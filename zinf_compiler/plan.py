@@ -1,0 +1,98 @@
+"""What the passes read about units: which parameters share a bucket, and what each unit weighs.
+
+The backend records each adopted parameter's fixed layout
+(``ctx.captured.layouts``, :class:`~zinf_compiler.runtime.units.ParamLayout`)
+before the graphs are rewritten.  The partition pass groups parameters into
+buckets with :func:`buckets`; the schedule pass sizes every transfer with
+:func:`unit_sizes`, the very arithmetic the store counts at run time
+(:class:`~zinf_compiler.runtime.units.Unit`), so the two never disagree.
+
+Bucketing rule.  Parameters are taken in the order the graph first uses
+them (gathers) or produces their gradients (reductions).  A bucket is a run
+of consecutive parameters of the same *block* (the module path up to its
+first numeric part: ``blocks.3`` for ``blocks.3.attn.qkv.weight``; parameters
+outside any numbered block form runs of their own), closed when its gathered
+bytes would pass ``bucket_bytes`` (or a quarter of ``max_live_bytes`` /
+``device_memory_limit``, where set).  So a transformer block moves as one
+all-gather in forward, one in backward and one reduce-scatter, like FSDP2's
+per-block groups, and a bucket is held no longer than its block runs.
+Tiled, integer and ``partition="broadcast"`` parameters move alone, and so
+does every parameter at world size 1 (no collective to save).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from zinf_compiler.context import GraphContext
+from zinf_compiler.runtime.units import UnitSizes, can_share_unit, unit_of
+
+
+def block_of(name: str) -> str:
+    """The numbered block a parameter belongs to (``blocks.3``), or "" outside any."""
+    parts = name.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ""
+
+
+def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
+    """``slots`` (parameters in use order) grouped into buckets, in the same order."""
+    layouts = ctx.captured.layouts
+    # World size 1 has no collective to save; a bucket's values would alias one buffer.
+    limit = ctx.options.bucket_bytes if ctx.captured.world_size > 1 else 0
+    cap = ctx.captured.live_bytes_cap
+    if cap is not None:
+        # Under a device cap a bucket is at most a quarter of it: the next one is
+        # prefetched while it is used, and its values are copied out of its matrix.
+        limit = min(limit, cap // 4)
+    groups: list[list[int]] = []
+    held, block = 0, None
+    for slot in slots:
+        layout = layouts.get(slot)
+        nbytes = layout.gathered_numel * layout.compute_dtype.itemsize if layout is not None else 0
+        name_block = block_of(ctx.captured.inputs[slot].name)
+        joins = (groups and layout is not None and limit > 0 and name_block == block
+                 and held + nbytes <= limit and slot not in groups[-1]
+                 and all(can_share_unit(layouts[other], layout) for other in groups[-1][:1]))
+        if joins:
+            groups[-1].append(slot)
+            held += nbytes
+        else:
+            groups.append([slot])
+            held = nbytes
+        block = name_block if layout is not None and _bucketable(layout) else None
+    return groups
+
+
+def _bucketable(layout) -> bool:
+    return layout.partition == "allgather" and layout.tile_rows is None and layout.dtype.is_floating_point
+
+
+def unit_sizes(ctx: GraphContext, slots: list[int], tile: int | None) -> UnitSizes:
+    """Bytes the unit of ``slots`` (or of one's ``tile``) holds at each step, as the store counts them."""
+    return unit_of([ctx.captured.layouts[slot] for slot in slots], tile).sizes
+
+
+def unit_name(ctx: GraphContext, slots: list[int], tile: int | None) -> str:
+    names = ", ".join(ctx.captured.inputs[slot].name for slot in slots)
+    return names + (f"[tile {tile}]" if tile is not None else "")
+
+
+def param_bytes_per_tier(ctx: GraphContext) -> dict[str, int]:
+    """Bytes this rank holds of the graph's parameters between steps, per tier (as ``memory_report`` counts).
+
+    A sharded parameter counts its local shard on its tier; stages 0-2 also
+    keep the full parameter on the device (stage 3 frees it after compiling).
+    """
+    held = {"device": 0, "cpu": 0, "nvme": 0}
+    for info in ctx.params.values():
+        layout = ctx.captured.layouts.get(info.position)
+        if layout is None:
+            held["device"] += info.nbytes
+            continue
+        held[layout.param_tier] += layout.shard_bytes
+        if layout.stage < 3:
+            held["device"] += info.nbytes
+    return held
