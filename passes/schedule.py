@@ -181,11 +181,10 @@ def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce
             continue
         wait = next(user for user in node.users if user.target is ops.REDUCE_GRAD_WAIT)
         grads, slots, tile = ops.arg(node, "grads"), ops.arg(node, "slots"), ops.tile_of(node)
-        values = [grad.meta.get("val") for grad in grads if isinstance(grad, torch.fx.Node)]
-        grad_bytes = sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor))
         reduces.append(_Reduce(name=plan.unit_name(ctx, slots, tile), slots=list(slots),
                                tile=-1 if tile is None else tile, start=node, wait=wait,
-                               staging_bytes=plan.unit_sizes(ctx, slots, tile).reduce, grad_bytes=int(grad_bytes)))
+                               staging_bytes=plan.unit_sizes(ctx, slots, tile).reduce,
+                               grad_bytes=plan.value_bytes(grads)))
     return reduces
 
 

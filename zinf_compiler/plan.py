@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
+
 from zinf_compiler.context import GraphContext
 from zinf_compiler.runtime.units import UnitSizes, can_share_unit, unit_of
 
@@ -73,6 +75,12 @@ def _bucketable(layout) -> bool:
 def unit_sizes(ctx: GraphContext, slots: list[int], tile: int | None) -> UnitSizes:
     """Bytes the unit of ``slots`` (or of one's ``tile``) holds at each step, as the store counts them."""
     return unit_of([ctx.captured.layouts[slot] for slot in slots], tile).sizes
+
+
+def value_bytes(nodes) -> int:
+    """Bytes of the tensors graph ``nodes`` compute (a reduction's gradients, held while it starts)."""
+    values = [node.meta.get("val") for node in nodes if hasattr(node, "meta")]
+    return int(sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor)))
 
 
 def unit_name(ctx: GraphContext, slots: list[int], tile: int | None) -> str:
