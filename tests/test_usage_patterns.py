@@ -407,3 +407,26 @@ def test_load_state_dict_at_stages_1_and_2_reaches_the_optimizer(stage):
         pair.eager.head.weight.mul_(0.5)
         pair.zinf_model.head.weight.mul_(0.5)
     pair.assert_equal(train_interleaved([pair], batches(), steps=2)[0], f"stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("compiled_module", [False, True])
+def test_model_zero_grad_clears_the_gradient_shards(stage, compiled_module):
+    """``model.zero_grad()`` (the HF Trainer's call) between steps, instead of ``opt.zero_grad()``:
+    equal to eager, not two backwards' gradients added up."""
+    eager = seeded(lambda: Stack(depth=2), 3)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="zinf", options={"stage": stage, "lower": "eager"})
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+    zinf_opt = zinf.optim.SGD(model.parameters(), lr=0.05)
+    for inputs in batches(4):
+        eager_loss = eager(inputs).square().mean()
+        eager_loss.backward()
+        eager_opt.step()
+        eager.zero_grad()
+        zinf_loss = compiled(inputs).square().mean()
+        zinf_loss.backward()
+        zinf_opt.step()
+        (compiled if compiled_module else model).zero_grad()
+        assert abs(eager_loss.item() - zinf_loss.item()) <= 1e-5 * abs(eager_loss.item())
+    assert all(not record.has_grad for record in map(STORE.lookup, model.parameters()))

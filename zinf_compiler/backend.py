@@ -65,6 +65,9 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     STORE.comm.timeout = options.collective_timeout  # the process's collectives: the last compile's setting
     adopted = []
     if options.stage > 0:
+        from .optim import install_module_zero_grad
+
+        install_module_zero_grad()  # model.zero_grad() must clear gradient shards too
         _check_materialized(captured)
         plan_offload(list(captured.param_tensors.values()), options)
         from zinf_compiler.passes import tile as tile_pass

@@ -17,6 +17,7 @@ per-rank optimizer checkpoints); load it into the same world size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import weakref
 from typing import Any, Callable, Iterable
@@ -524,3 +525,24 @@ class SGD(ZinfOptimizer):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, **kwargs)
 
+
+
+# ``model.zero_grad()`` (the HF Trainer's call, and many loops') clears ``param.grad``;
+# at stages 2-3 zinf keeps gradients in sharded buffers instead, which it would
+# leave alone: the next step would add two backwards' gradients up, silently.
+_module_zero_grad = torch.nn.Module.zero_grad
+
+
+def _module_zero_grad_with_shards(self: torch.nn.Module, set_to_none: bool = True) -> None:
+    _module_zero_grad(self, set_to_none)
+    if STORE.records():
+        records = [record for record in map(STORE.lookup, self.parameters()) if record is not None]
+        if records:
+            STORE.drop_grads(records)
+
+
+def install_module_zero_grad() -> None:
+    """Make ``nn.Module.zero_grad`` also discard the zinf gradient shards of the module's parameters (once)."""
+    if torch.nn.Module.zero_grad is not _module_zero_grad_with_shards:
+        functools.update_wrapper(_module_zero_grad_with_shards, _module_zero_grad)
+        torch.nn.Module.zero_grad = _module_zero_grad_with_shards
