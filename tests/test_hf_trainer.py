@@ -74,6 +74,10 @@ def test_trainer_with_zinf_equals_eager_trainer_and_resumes(tmp_path, family):
     resumed.train(resume_from_checkpoint=str(tmp_path / "zinf" / "checkpoint-2"))
     _assert_same([entry for entry in _logged(resumed) if entry[0] > 2], expected[2:])
 
+    # Evaluation through the same trainer: the inference graph, equal to the eager model's.
+    eval_data = _dataset(count=4)
+    assert abs(resumed.evaluate(eval_data)["eval_loss"] - eager.evaluate(eval_data)["eval_loss"]) <= 1e-5 * 4
+
     resumed.save_model(str(tmp_path / "export"))
     loaded = type(eager.model).from_pretrained(str(tmp_path / "export"))
     batch = _dataset()[0]
@@ -81,6 +85,23 @@ def test_trainer_with_zinf_equals_eager_trainer_and_resumes(tmp_path, family):
         ours = loaded(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.item()
         theirs = eager.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.item()
     assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+
+
+def test_trainer_at_world_2_equals_eager_trainer(tmp_path):
+    """Two ranks (torchrun's environment variables, gloo), one sample each per micro-batch: the same
+    global batches as the eager Trainer on one process, so the same losses; accelerate does not wrap
+    the model in DDP (zinf reduces the gradients)."""
+    from multirank import run_ranks
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    eager = transformers.Trainer(model=_models()["gpt2"](), args=_arguments(tmp_path / "eager"),
+                                 train_dataset=_dataset())
+    eager.train()
+    results = run_ranks(2, "hf_trainer_worker", {})
+    for result in results:
+        assert result["wrapped"] == "GPT2LMHeadModel", result
+    _assert_same([tuple(entry) for entry in results[0]["logged"]], _logged(eager))
 
 
 def _assert_same(got, expected):

@@ -72,6 +72,17 @@ class ZinfTrainer(Trainer):
         self.zinf_options = dict(zinf_options or {})
         self.model.compile(backend="zinf", options=self.zinf_options)
         self._zinf_optimizer: zinf_optim.ZinfOptimizer | None = None
+        # accelerate would wrap the model in DDP at world size > 1 (zinf reduces the
+        # gradients itself, and DDP's hooks would wait for param.grad forever) and move
+        # it: it gets the model as it is, for everything else it does (autocast).
+        prepare_model = self.accelerator.prepare_model
+
+        def prepare_model_as_it_is(model, device_placement=None, evaluation_mode=False):
+            if model is self.model:
+                return prepare_model(model, device_placement=False, evaluation_mode=True)
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        self.accelerator.prepare_model = prepare_model_as_it_is
 
     # --- the model: compiled once, never wrapped (zinf shards it; DDP/FSDP would not know) ---
 

@@ -1,0 +1,31 @@
+"""One rank of a ZinfTrainer run under torchrun-style environment variables (see test_hf_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import transformers
+
+from zinf_compiler.hf import ZinfTrainer
+from test_hf_trainer import STEPS, _dataset, _logged, _models
+
+
+def main() -> None:
+    transformers.logging.set_verbosity_error()
+    world = int(os.environ["WORLD_SIZE"])
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(os.environ["TMPDIR"], "out"), per_device_train_batch_size=2 // world,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+    options = {"stage": 3, "offload_param": "cpu", "lower": "eager"}
+    torch.manual_seed(0)
+    trainer = ZinfTrainer(model=_models()["gpt2"](), args=args, train_dataset=_dataset(), zinf_options=options)
+    trainer.train()
+    with open(os.environ["ZINFTEST_OUT"], "w") as handle:
+        json.dump({"logged": _logged(trainer), "wrapped": type(trainer.model_wrapped).__name__}, handle)
+
+
+if __name__ == "__main__":
+    main()
