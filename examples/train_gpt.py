@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        # One GPU per process: streams, events and pinned-memory registration default to it.
+        torch.cuda.set_device(device)
     say = print if rank == 0 else (lambda *a, **k: None)
 
     data = torch.frombuffer(bytearray(make_corpus(400_000, args.seed)), dtype=torch.uint8)

@@ -29,16 +29,18 @@ from .trace import TRACER, now
 class CopyWork:
     """A copy in flight: ``wait()`` orders later compute after it; ``synchronize()`` blocks the host."""
 
-    def __init__(self, future: concurrent.futures.Future | None = None, event=None, tensors: tuple = ()):
+    def __init__(self, future: concurrent.futures.Future | None = None, event=None, tensors: tuple = (),
+                 device: torch.device | None = None):
         self._future = future
         self._event = event
+        self._device = device  # CUDA: the device whose current stream must wait (not the process's current one)
         # CUDA: both tensors stay referenced until the current stream is ordered after the copy,
         # so the caching allocator cannot hand their memory out while the side stream uses it.
         self._tensors = tensors
 
     def wait(self) -> None:
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
             self._tensors = ()
             return
         self.synchronize()
@@ -89,7 +91,7 @@ class CopyEngine:
                 event.record(stream)
             # Host-side interval (submission to now): a GPU timeline is in the profiler, not here.
             TRACER.interval(track, name, submitted, now(), nbytes)
-            return CopyWork(event=event, tensors=(target, source))
+            return CopyWork(event=event, tensors=(target, source), device=device)
 
         # The worker thread has its own grad and inference modes: copy under the
         # caller's inference mode, where ``target`` may be an inference tensor.

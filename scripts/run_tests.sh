@@ -8,4 +8,5 @@ cd "$repo"
 # Crashed spawned workers leave pytorch-errorfile-* in $TMPDIR: keep them out of /tmp.
 export TMPDIR="$(mktemp -d)"
 trap 'rm -rf "$TMPDIR"' EXIT
-"$VENV_PYTHON" -m pytest -q "$@"
+# --durations: the slowest tests, to keep the suite within its 15 minutes.
+"$VENV_PYTHON" -m pytest -q --durations=15 "$@"

@@ -43,6 +43,20 @@ def _arguments(output_dir):
         report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
 
 
+_EAGER: dict = {}
+
+
+def _eager_run(family: str, tmp_path):
+    """The plain Trainer on the eager model (once per family per session): the reference."""
+    if family not in _EAGER:
+        torch.manual_seed(0)
+        eager = transformers.Trainer(model=_models()[family](), args=_arguments(tmp_path / "eager"),
+                                     train_dataset=_dataset())
+        eager.train()
+        _EAGER[family] = eager
+    return _EAGER[family]
+
+
 def _logged(trainer):
     return [(entry["step"], entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history
             if "loss" in entry]
@@ -52,9 +66,7 @@ def _logged(trainer):
 def test_trainer_with_zinf_equals_eager_trainer_and_resumes(tmp_path, family):
     transformers.logging.set_verbosity_error()
     build = _models()[family]
-    torch.manual_seed(0)
-    eager = transformers.Trainer(model=build(), args=_arguments(tmp_path / "eager"), train_dataset=_dataset())
-    eager.train()
+    eager = _eager_run(family, tmp_path)
     expected = _logged(eager)
     assert [step for step, _, _ in expected] == list(range(1, STEPS + 1))
     assert max(norm for _, _, norm in expected) > 0.5, "clipping must clip in this test"
@@ -94,10 +106,7 @@ def test_trainer_at_world_2_equals_eager_trainer(tmp_path):
     from multirank import run_ranks
 
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    eager = transformers.Trainer(model=_models()["gpt2"](), args=_arguments(tmp_path / "eager"),
-                                 train_dataset=_dataset())
-    eager.train()
+    eager = _eager_run("gpt2", tmp_path)
     results = run_ranks(2, "hf_trainer_worker", {})
     for result in results:
         assert result["wrapped"] == "GPT2LMHeadModel", result
