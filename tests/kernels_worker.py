@@ -56,7 +56,28 @@ def main() -> None:
         dst = torch.full((src.numel(),), float("nan"), dtype=dst_dtype, device=device)
         kernels.cast_copy_(dst, src.to(device))
         results[f"cast {src_dtype} -> {dst_dtype}"] = {"exact": bool(torch.equal(dst.cpu(), src.to(dst_dtype)))}
+    results["refusals"] = refusals()
     print(json.dumps(results))
+
+
+def refusals() -> list[str]:
+    """Bad arguments raise ValueError naming the problem: the messages, or what did not raise."""
+    master = torch.zeros(8)
+    calls = {
+        "sizes": lambda: kernels.adamw_step_(master, torch.zeros(7), torch.zeros(8), torch.zeros(8), 1, lr=1e-3),
+        "fp32": lambda: kernels.adamw_step_(master, torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16),
+                                            torch.zeros(8), 1, lr=1e-3),
+        "step": lambda: kernels.adamw_step_(master, torch.zeros(8), torch.zeros(8), torch.zeros(8), 0, lr=1e-3),
+        "cast sizes": lambda: kernels.cast_copy_(torch.zeros(3), torch.zeros(4)),
+    }
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+            messages.append(f"{name}: did not raise")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
 
 
 if __name__ == "__main__":

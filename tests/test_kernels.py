@@ -3,6 +3,7 @@ on the CPU (every CI run) and compiled on a GPU where there is one (never skippe
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,11 +14,19 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# scripts/install.sh puts triton here when the environment has none (see there why).
+TRITON_DIR = os.path.join(os.path.dirname(HERE), ".triton")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_kernels_match_torch(device):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    paths = [HERE]
+    if importlib.util.find_spec("triton") is None:
+        assert os.path.isdir(os.path.join(TRITON_DIR, "triton")), (
+            f"triton is neither installed nor in {TRITON_DIR}: run scripts/install.sh with PIP_EXTRAS=dev "
+            f"(scripts/run_tests.sh does)")
+        paths.append(TRITON_DIR)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     else:
@@ -26,6 +35,12 @@ def test_triton_kernels_match_torch(device):
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results.pop("refusals") == [
+        "adamw_step_ takes contiguous flat tensors of one size on one device",
+        "adamw_step_ steps fp32 masters and moments, got torch.bfloat16",
+        "step counts from 1, got 0",
+        "cast_copy_ takes contiguous tensors of one size",
+    ]
     for name, result in results.items():
         if name.startswith("adamw"):
             # fp32 throughout, the same operations as torch's AdamW in another order.
@@ -34,18 +49,3 @@ def test_triton_kernels_match_torch(device):
             assert result["out_exact"] and result["moved"], (name, result)
         else:
             assert result["exact"], (name, result)
-
-
-def test_kernels_refuse_mismatched_tensors():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from zinf_compiler.runtime import kernels
-
-    master = torch.zeros(8)
-    with pytest.raises(ValueError, match="one size"):
-        kernels.adamw_step_(master, torch.zeros(7), torch.zeros(8), torch.zeros(8), 1, lr=1e-3)
-    with pytest.raises(ValueError, match="fp32"):
-        kernels.adamw_step_(master, torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8), 1, lr=1e-3)
-    with pytest.raises(ValueError, match="step counts from 1"):
-        kernels.adamw_step_(master, torch.zeros(8), torch.zeros(8), torch.zeros(8), 0, lr=1e-3)
-    with pytest.raises(ValueError, match="one size"):
-        kernels.cast_copy_(torch.zeros(3), torch.zeros(4))

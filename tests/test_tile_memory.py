@@ -52,7 +52,9 @@ def test_tiling_cuts_working_memory_by_the_factor(untiled, factor):
         # here is all working memory: gradient shards and optimizer state exist already).
         assert run["accounted_growth"] == run["peak_transient_device"]
         assert abs(run["rss_growth"] - run["accounted_growth"]) <= 0.1 * run["accounted_growth"] + NOISE_BYTES, run
-    assert untiled["rss_growth"] / tiled["rss_growth"] >= 0.8 * (2 * factor / 3)
+    # The OS sees the same working sets: two weights untiled, three tiles tiled (within the noise).
+    assert untiled["rss_growth"] >= 0.9 * 2 * untiled["weight_bytes"], untiled
+    assert tiled["rss_growth"] <= 1.1 * 3 * tile_bytes + NOISE_BYTES, tiled
 
 
 def test_tiles_on_nvme_are_read_alone(tmp_path):
