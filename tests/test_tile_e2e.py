@@ -40,11 +40,3 @@ def test_tiled_training_matches_eager(world):
                 assert min(len(tiles[name]) for name in MLP_WEIGHTS) > 1
                 assert config_result["peak_transient_device"] <= 32 * 1024
 
-
-def test_tiled_and_bucketed_at_world_4_every_tier():
-    """Issue 13 acceptance 2: tiles (alone) next to bucketed and unbucketed parameters, at world size 4,
-    with parameters on each tier."""
-    configs = [{**TILED, "offload_param": "nvme", "offload_optimizer": "nvme"},
-               {**TILED, "offload_param": "cpu", "bucket_bytes": 0}]
-    results = run_ranks(4, "tile_worker", {"model": MODEL, "steps": 3, "batch": 1, "configs": configs})
-    _check(results, 4)
