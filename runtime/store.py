@@ -530,8 +530,8 @@ class ParamStore:
         """The unit of ``records`` (a bucket), or of one record's row ``tile``; built once, then cached."""
         records = list(records)
         key = tuple((record.uid, tile) for record in records)
-        unit = self._units.get(key)
-        if unit is None or any(piece.layout is not record for piece, record in zip(unit.pieces, records)):
+        unit = self._units.get(key)  # uids never repeat, and _free drops a freed record's units
+        if unit is None:
             if tile is not None and (records[0].tile_rows is None or not 0 <= tile < len(records[0].tile_rows)):
                 raise ZinfStoreError(f"tile {tile} of {records[0].name}, which has tile rows {records[0].tile_rows}")
             unit = self._units[key] = unit_of(records, tile)

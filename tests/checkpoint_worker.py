@@ -19,17 +19,14 @@ import torch.distributed as dist
 import zinf_compiler as zinf
 import zinf_compiler.checkpoint as checkpoint
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+from multirank import start_rank
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)  # eps: as test_zero, so near-zero gradients do not amplify reduction-order noise
 
 
 def main() -> None:
-    args = json.loads(os.environ["ZINFTEST_ARGS"])
-    world = int(os.environ["WORLD_SIZE"])
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
+    args, world, rank = start_rank()
     options = {"lower": "eager", **args["options"]}
     if "nvme" in (options.get("offload_param"), options.get("offload_optimizer")):
         options["nvme_path"] = os.environ["TMPDIR"]

@@ -58,3 +58,14 @@ def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600, ki
             raise AssertionError(f"ranks failed: {failures}\n{logs}")
         outs = [os.path.join(folder, f"rank{rank}.json") for rank in range(world_size)]
         return [json.load(open(out)) if os.path.exists(out) else None for out in outs]
+
+
+def start_rank() -> tuple[dict, int, int]:
+    """In a worker: its arguments (``ZINFTEST_ARGS``), the world size and its rank, the process group up."""
+    import torch.distributed as dist
+
+    args = json.loads(os.environ["ZINFTEST_ARGS"])
+    world = int(os.environ["WORLD_SIZE"])
+    if world > 1:
+        dist.init_process_group("gloo")
+    return args, world, dist.get_rank() if world > 1 else 0

@@ -13,14 +13,11 @@ import torch.distributed as dist
 from zero_worker import train
 from zinf_compiler.gpt import GPTConfig
 from zinf_compiler.runtime.store import STORE
+from multirank import start_rank
 
 
 def main() -> None:
-    args = json.loads(os.environ["ZINFTEST_ARGS"])
-    world = int(os.environ["WORLD_SIZE"])
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
+    args, world, rank = start_rank()
     cfg = GPTConfig(**args["model"], frozen_scale=True)
     results = []
     for config in args["configs"]:

@@ -16,6 +16,7 @@ import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime.comm import COMM
 from zinf_compiler.runtime.store import STORE
+from multirank import start_rank
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, fused=True)
 MAX_NORM = 0.5
@@ -90,11 +91,7 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
 
 
 def main() -> None:
-    args = json.loads(os.environ["ZINFTEST_ARGS"])
-    world = int(os.environ["WORLD_SIZE"])
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
+    args, world, rank = start_rank()
     cfg = GPTConfig(**args["model"], frozen_scale=True)
     results = [train(config, cfg, world, rank, args["steps"], args["batch"]) for config in args["configs"]]
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
