@@ -6,9 +6,9 @@ and ``run(gm, ctx) -> gm``.  A pass may only rewrite the graph it is given and
 record facts in ``ctx.facts``; it never touches files, threads or the runtime.
 """
 
-from . import offload, partition, schedule, tile
+from . import activations, offload, partition, schedule, tile
 
-PIPELINE: tuple = (tile, partition, offload, schedule)
+PIPELINE: tuple = (tile, partition, activations, offload, schedule)
 
 
 def pass_names() -> tuple[str, ...]:

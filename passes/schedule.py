@@ -29,6 +29,11 @@ A distance of 0 leaves that part where it was (no prefetch); ``k - d < 0``
 means the top of the graph.  So before op i runs, nc for op i+nc, cg for op
 i+cg and gg for op i+gg are in flight, the paper's prefetch rule.
 
+Saved activations (the ``activations`` pass) come back like parameters:
+each ``act_fetch_start`` goes ``prefetch_cg`` ops ahead of its value's first
+use (``prefetch_nc`` when they rest on NVMe), and the value counts as live
+from there to its last use.
+
 Backward reductions.  ``reduce_grad_start`` stays right after its gradient;
 its wait moves to just before the second op after it, so the reduce-scatter
 of op i+1's gradient runs during op i's compute (with the nvme optimizer
@@ -86,6 +91,7 @@ class _Fetch:
     gathered_bytes: int = 0
     pinned_bytes: int = 0  # nc staging in pinned host memory (0: not on NVMe)
     copy_out_bytes: int = 0  # a bucket's values copied out of its gathered matrix, at the wait
+    kind: str = "param"  # or "activation": a saved activation fetched back (groups["gg"]: its fetch start)
     distance: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (after caps)
     wanted: dict = dataclasses.field(default_factory=dict)  # step -> ops ahead (before caps)
 
@@ -127,8 +133,13 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
     if not allowed:
         note = (f"max_live_bytes={device_cap:,} is below what the graph holds without prefetch "
                 f"({baseline_peak:,} bytes): nothing is prefetched")
+    # An activation's fetch (a copy from host memory, or a read from NVMe and a copy) starts as far
+    # ahead as a parameter's cg, or its nc for NVMe.
+    activation_distance = distances["nc" if ctx.options.offload_activations == "nvme" else "cg"]
     for fetch in sorted(fetches, key=lambda f: (f.op, position[f.wait])):
         fetch.wanted = {step: distances[step] if fetch.groups.get(step) else 0 for step in ("nc", "cg", "gg")}
+        if fetch.kind == "activation":
+            fetch.wanted["gg"] = activation_distance
         planner.place_fetch(fetch, device_cap, pinned_cap, allowed)
     for reduce in sorted(reduces, key=lambda r: position[r.start]):
         reduce.wanted = REDUCE_DELAY
@@ -144,12 +155,23 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
 
 def _is_chain(node: torch.fx.Node, fetches: list[_Fetch]) -> bool:
     return node.op == "call_function" and node.target in (
-        ops.NC_START, ops.NC_WAIT, ops.CG_START, ops.CG_WAIT, ops.GATHER_START, ops.GATHER_WAIT)
+        ops.NC_START, ops.NC_WAIT, ops.CG_START, ops.CG_WAIT, ops.GATHER_START, ops.GATHER_WAIT,
+        ops.ACT_FETCH_START, ops.ACT_FETCH_WAIT)
 
 
 def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]:
     fetches = []
+    position = {node: index for index, node in enumerate(nodes)}
     for node in nodes:
+        if node.op == "call_function" and node.target is ops.ACT_FETCH_WAIT:
+            # Held from its fetch to its last use (the graph frees it then), like a gathered unit.
+            handle = ops.arg(node, "handle")
+            fetches.append(_Fetch(
+                name=f"activation {handle.name}", slots=[], tile=-1, wait=node,
+                groups={"gg": [ops.arg(node, "token")]},
+                release=max(node.users, key=position.__getitem__) if node.users else None,
+                gathered_bytes=plan.value_bytes([node]), kind="activation"))
+            continue
         if node.op != "call_function" or node.target is not ops.GATHER_WAIT:
             continue
         start = ops.arg(node, "token")
@@ -413,13 +435,18 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
             else:
                 start, wait = fetch.groups["gg"][-1], fetch.wait
             nbytes = {"nc": fetch.pinned_bytes, "cg": fetch.shard_bytes, "gg": fetch.gathered_bytes}[step]
+            cost_step = step
+            if fetch.kind == "activation":
+                cost_step = "nc" if ctx.options.offload_activations == "nvme" else "cg"
             transfers.append({
-                "param": fetch.name, "slots": fetch.slots, "tile": fetch.tile, "step": step,
+                "param": fetch.name, "slots": fetch.slots, "tile": fetch.tile,
+                "step": "act" if fetch.kind == "activation" else step,
                 "start": start.name, "wait": wait.name, "start_pos": position[start], "wait_pos": position[wait],
                 "use_op": fetch.op, "issued_before_op": fetch.op - fetch.distance[step] if fetch.distance[step] else None,
                 "wanted_distance": fetch.wanted[step], "distance": fetch.distance[step],
                 "capped": fetch.distance[step] < fetch.wanted[step], "bytes": nbytes,
-                **_exposure(cost.transfer_seconds(step, nbytes), compute_before, position[start], position[wait]),
+                **_exposure(cost.transfer_seconds(cost_step, nbytes), compute_before, position[start],
+                            position[wait]),
             })
     for reduce in planner.reduces:
         transfers.append({
@@ -439,7 +466,7 @@ def _table(ctx: GraphContext, graph: torch.fx.Graph, planner: _Planner, distance
     rows = []
     for index, node in enumerate(op_nodes):
         at = position[node]
-        in_flight = {step: [] for step in ("nc", "cg", "gg", "rs")}
+        in_flight = {step: [] for step in ("nc", "cg", "gg", "rs", "act")}
         for transfer in transfers:
             if transfer["start_pos"] < at < transfer["wait_pos"]:
                 in_flight[transfer["step"]].append(transfer["param"])

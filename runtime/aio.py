@@ -258,6 +258,8 @@ def _trace_track(kind: str, key: str) -> str:
         return "nc"
     if kind == "write" and key.startswith(("param.", "grad.")):
         return "offload"
+    if key.startswith("act."):
+        return "activations"
     return "optimizer io"
 
 

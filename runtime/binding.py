@@ -98,7 +98,7 @@ def bind_backward(outputs: Any, binding: Binding) -> int:
     Returns the number of autograd nodes hooked (0 when nothing needs a backward).
     """
     hooked = 0
-    for node in _compiled_backward_nodes(outputs):
+    for node in compiled_backward_nodes(outputs):
         # A node already bound belongs to an earlier call whose output this
         # call passed through: it keeps its own binding.
         if _METADATA_KEY in node.metadata:
@@ -126,7 +126,7 @@ def _leave(grad_inputs, grad_outputs):
 _SEARCH_DEPTH = 4
 
 
-def _compiled_backward_nodes(outputs: Any) -> list:
+def compiled_backward_nodes(outputs: Any) -> list:
     """The autograd nodes of AOTAutograd's ``CompiledFunction`` reached from ``outputs``."""
     found, seen = [], set()
     frontier = [t.grad_fn for t in pytree.tree_leaves(outputs)

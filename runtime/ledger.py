@@ -1,7 +1,7 @@
 """Bytes held per tier, per model and for the process: the runtime's accounting.
 
 Resting bytes (shards, masters, gradient shards, optimizer state, the pinned
-pool) and transient bytes (gathered or in flight, counted by the store from
+pool), saved activations between forward and backward, and transient bytes (gathered or in flight, counted by the store from
 each unit's sizes, see units.py), their peaks, and the device budget
 ``device_memory_limit`` that transient device bytes may not pass.
 """
@@ -26,6 +26,8 @@ class Ledger:
         self.transient = {"device": 0, "cpu": 0}
         self.peak = {"device": 0, "cpu": 0}
         self.peak_transient = {"device": 0, "cpu": 0}
+        # Saved activations held between forward and backward (runtime/activations.py).
+        self.activations = {"device": 0, "cpu": 0, "nvme": 0}
         # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
         self.device_memory_limit = device_memory_limit
         self.merged_into: Ledger | None = None
@@ -53,12 +55,20 @@ class Ledger:
         self.peak_transient[tier] = max(self.peak_transient[tier], self.transient[tier])
         self._note_peak(tier)
 
+    def add_activations(self, tier: str, delta: int) -> None:
+        self.activations[tier] += delta
+        if tier in self.peak:
+            self._note_peak(tier)
+
+    def _held(self, tier: str) -> int:
+        return self.resting[tier] + self.transient[tier] + self.activations[tier]
+
     def _note_peak(self, tier: str) -> None:
-        self.peak[tier] = max(self.peak[tier], self.resting[tier] + self.transient[tier])
+        self.peak[tier] = max(self.peak[tier], self._held(tier))
 
     def reset_peak(self) -> None:
         for tier in self.peak:
-            self.peak[tier] = self.resting[tier] + self.transient[tier]
+            self.peak[tier] = self._held(tier)
             self.peak_transient[tier] = self.transient[tier]
 
 
@@ -71,7 +81,7 @@ def merge_ledgers(ledgers: list) -> Ledger:
             roots.append(root)
     target = roots[0]
     for other in roots[1:]:
-        for figures in ("resting", "transient", "peak", "peak_transient"):
+        for figures in ("resting", "transient", "peak", "peak_transient", "activations"):
             mine, theirs = getattr(target, figures), getattr(other, figures)
             for tier in mine:
                 mine[tier] += theirs[tier]

@@ -225,13 +225,17 @@ class ParamStore:
 
     def trace_sample(self) -> dict[str, int]:
         """Bytes per tier now, for the step trace's memory picture."""
-        sample = {"device": self.resting["device"] + self.transient["device"],
-                  "cpu": self.resting["cpu"] + self.transient["cpu"],
+        activations = self.process.activations
+        sample = {"device": self.resting["device"] + self.transient["device"] + activations["device"],
+                  "cpu": self.resting["cpu"] + self.transient["cpu"] + activations["cpu"],
                   "pinned in use": self.pinned.in_use_bytes if self.pinned is not None else 0}
-        if self._engines:
+        if self._engines or activations["nvme"]:
             at = time.perf_counter()
             if at - self._nvme_sampled[0] > 0.05:  # a directory scan: not every 2 ms
-                self._nvme_sampled = (at, sum(engine.bytes_on_disk() for engine in self._engines.values()))
+                from .activations import ACTIVATIONS  # (it imports this module)
+
+                engines = list(self._engines.values()) + ACTIVATIONS.engines()
+                self._nvme_sampled = (at, sum(engine.bytes_on_disk() for engine in engines))
             sample["nvme"] = self._nvme_sampled[1]
         return sample
 

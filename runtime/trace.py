@@ -13,7 +13,9 @@ What is recorded, and by whom:
 * transfer intervals, one track each: ``nc`` (NVMe reads of parameter
   shards), ``cg`` (host-to-device copies), ``gg`` (all-gathers), ``rs``
   (gradient reduce-scatters), ``offload`` (gradient and parameter writes to
-  NVMe), ``optimizer io`` (the NVMe optimizer's master and moment traffic).
+  NVMe), ``optimizer io`` (the NVMe optimizer's master and moment traffic),
+  ``activations`` (saved activations copied off the device, written to and
+  read from NVMe, and fetched back).
   Each interval runs from the submission of the transfer to its completion
   as seen by the thread that did it (the aio worker, the copy thread, the
   collective's completion callback).
@@ -40,7 +42,7 @@ from typing import Callable, Iterator
 
 log = logging.getLogger("zinf")
 
-TRANSFER_TRACKS = ("nc", "cg", "gg", "rs", "offload", "optimizer io")
+TRANSFER_TRACKS = ("nc", "cg", "gg", "rs", "offload", "optimizer io", "activations")
 TRACKS = ("compute", "stall") + TRANSFER_TRACKS
 SAMPLE_SECONDS = 0.005
 

@@ -40,12 +40,26 @@ class Comparison:
 ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
 
 
-def compare_training(cfg: GPTConfig, options: dict | None, steps: int = 5, batch_size: int = 4, seed: int = 0) -> Comparison:
+def checkpoint_blocks(model: GPT) -> None:
+    """Eager reference for block checkpointing: each block's forward under ``torch.utils.checkpoint``."""
+    for block in model.blocks:
+        forward = block.forward
+        block.forward = lambda x, forward=forward: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+
+
+def compare_training(cfg: GPTConfig, options: dict | None, steps: int = 5, batch_size: int = 4, seed: int = 0,
+                     reseed: bool = False, eager_checkpoint: bool = False) -> Comparison:
     """Train eager and compiled copies side by side.  ``options=None``: plain ``torch.compile`` (Inductor)
-    with torch's fused AdamW, the yardstick for what compilation alone changes."""
+    with torch's fused AdamW, the yardstick for what compilation alone changes.
+
+    ``reseed``: both forwards of step ``i`` start from ``manual_seed(1000 + i)``, so dropout draws the same
+    masks in both (the compiled graph must then reproduce them when it recomputes).  ``eager_checkpoint``:
+    the eager model checkpoints each block (:func:`checkpoint_blocks`)."""
     torch.manual_seed(seed)
     eager_model = GPT(cfg)
     zinf_model = copy.deepcopy(eager_model)
+    if eager_checkpoint:
+        checkpoint_blocks(eager_model)
     if options is None:
         compiled = torch.compile(zinf_model)
         zinf_opt = torch.optim.AdamW(zinf_model.parameters(), **ADAMW)
@@ -54,13 +68,17 @@ def compare_training(cfg: GPTConfig, options: dict | None, steps: int = 5, batch
         zinf_opt = zinf.optim.AdamW(zinf_model.parameters(), **ADAMW)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), **ADAMW)
     eager_losses, zinf_losses = [], []
-    for idx, targets in synthetic_batches(cfg, batch_size, steps, seed=seed):
+    for step, (idx, targets) in enumerate(synthetic_batches(cfg, batch_size, steps, seed=seed)):
+        if reseed:
+            torch.manual_seed(1000 + step)
         loss = eager_model(idx, targets)
         loss.backward()
         eager_opt.step()
         eager_opt.zero_grad()
         eager_losses.append(loss.item())
 
+        if reseed:
+            torch.manual_seed(1000 + step)
         loss = compiled(idx, targets)
         loss.backward()
         zinf_opt.step()

@@ -32,7 +32,7 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     reference = GPT(cfg)
     model = copy.deepcopy(reference)
     options = {"lower": "eager", **config}
-    if "nvme" in (config.get("offload_param"), config.get("offload_optimizer")):
+    if "nvme" in (config.get("offload_param"), config.get("offload_optimizer"), config.get("offload_activations")):
         options["nvme_path"] = os.environ["TMPDIR"]
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), **ADAMW)

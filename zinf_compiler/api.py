@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from zinf_compiler.optim import live_optimizers
+from zinf_compiler.runtime.activations import ACTIVATIONS
 from zinf_compiler.runtime.store import STORE
 
 TIERS = ("device", "cpu", "nvme")
@@ -48,8 +49,12 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     storage still held (stages 0-2); gradients count gradient shards (on the
     optimizer's tier) plus ``param.grad``; optimizer counts separate fp32
     master shards and the optimizer's moments.  ``buffers`` is the pinned
-    staging pool, allocated once and shared by every model in the process
-    (not in ``peak``).  ``activations`` stays 0 until activation offload exists.
+    staging pools (parameters' and activations'), allocated once and shared
+    by every model in the process (not in ``peak``).  ``activations`` counts
+    the values saved for backward and not yet consumed: on the device (what
+    the forward's autograd nodes hold), and copies offloaded to ``cpu`` or
+    ``nvme`` (option ``offload_activations``); at stage 0 they are counted
+    for the process only.
     The figures are this model's alone: another model in the same process
     has its own (and its own ``device_memory_limit``).
     """
@@ -76,8 +81,12 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     for opt in live_optimizers():
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
-    report["peak"] = dict(STORE.group(params).peak)
-    report["buffers"] = {"cpu": STORE.pinned.capacity_bytes if STORE.pinned is not None else 0}
+    ledger = STORE.group(params)
+    for tier, nbytes in ledger.activations.items():
+        report[tier]["activations"] = nbytes
+    report["peak"] = dict(ledger.peak)
+    report["buffers"] = {"cpu": (STORE.pinned.capacity_bytes if STORE.pinned is not None else 0)
+                         + ACTIVATIONS.pool_bytes}
     return report
 
 

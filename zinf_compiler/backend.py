@@ -29,13 +29,15 @@ from .context import CapturedGraph, GraphContext
 from .cost_model import CostModel, profile_machine
 from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
-from .runtime.binding import Binding, bind_backward, bound
+from .runtime.activations import ACTIVATIONS, count_saved
+from .runtime.binding import Binding, bind_backward, bound, compiled_backward_nodes
 from .runtime.binding import active as binding_active
 from .runtime.store import DTYPES, STORE, ZinfStoreError
 from .runtime.units import layout_of
 from .dump import GraphDumper
 from .options import ZinfOptions, parse_options
 from .pipeline import run_passes
+from .recompute import joint_graph_hook
 
 log = logging.getLogger("zinf")
 
@@ -89,20 +91,37 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     if dumper.enabled:
         TRACER.arm(dumper.root, options.trace_step, STORE.trace_sample)
     rewrite = functools.partial(_rewrite_aten_graph, captured, dumper)
+    joint_hook = joint_graph_hook(captured)  # the checkpointing policy, on the joint graph
+    if options.offload_activations == "nvme":
+        ACTIVATIONS.configure(options.nvme_path, options.aio_block_size, options.aio_queue_depth, options.aio_threads)
     # The AOTAutograd cache would hand back a previously compiled graph and skip
     # our hooks, silently dropping every pass: keep it off for zinf graphs.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         if options.lower == "inductor":
-            compiled = _compile_with_inductor(gm, example_inputs, rewrite)
+            compiled = _compile_with_inductor(gm, example_inputs, rewrite, joint_hook)
         else:
-            compiled = _compile_eager(gm, example_inputs, rewrite)
+            compiled = _compile_eager(gm, example_inputs, rewrite, joint_hook)
     # Only now, with tracing done, may stage 3 parameters give up their memory.
     STORE.release_full_storage(adopted)
     # The compiled graph serves any module Dynamo hands it: it must not keep this one alive.
     captured.param_tensors = {}
     if options.stage == 0:
-        return compiled  # nothing adopted: the graph's ops (stage-0 all-reduce) name no parameter
+        # Nothing adopted: the graph's ops (stage-0 all-reduce) name no parameter.
+        return _count_saved_activations(compiled)
     return _bind_at_run_time(compiled, captured)
+
+
+def _count_saved_activations(compiled: Callable) -> Callable:
+    """Wrap ``compiled`` so the device bytes each call saves for backward are counted (the process's ledger)."""
+
+    def run(*args):
+        outputs = compiled(*args)
+        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        count_saved(compiled_backward_nodes(outputs), list(inputs), None)
+        return outputs
+
+    functools.update_wrapper(run, compiled)
+    return run
 
 
 def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows, ledger):
@@ -169,6 +188,9 @@ def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
         with bound(binding):
             outputs = compiled(*args)
         bind_backward(outputs, binding)
+        inputs = args[0] if boxed else args
+        ledger = next(iter(binding.records.values())).ledger if binding.records else None
+        count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
         return outputs
 
     functools.update_wrapper(run, compiled)
@@ -212,7 +234,8 @@ def _plan_schedule(captured: CapturedGraph, options: ZinfOptions) -> None:
     """What the schedule pass needs from this machine: its cost model and the caps it must keep."""
     devices = [param.device for param in captured.param_tensors.values()]
     device = devices[0] if devices else torch.device("cpu")
-    nvme_path = options.nvme_path if "nvme" in (options.offload_param, options.offload_optimizer) else None
+    offloads = (options.offload_param, options.offload_optimizer, options.offload_activations)
+    nvme_path = options.nvme_path if "nvme" in offloads else None
     profile = profile_machine(device, DTYPES[options.param_dtype], nvme_path, captured.world_size)
     captured.cost_model = CostModel(profile, captured.world_size, STORE.prefetch_pinned_bytes())
     if options.max_live_bytes != "auto":
@@ -251,7 +274,7 @@ _KEEP_NODE_ORDER = {name: False for name in ("reorder_for_peak_memory", "reorder
                                               "reorder_for_compute_comm_overlap")}
 
 
-def _compile_with_inductor(gm, example_inputs, rewrite) -> Callable:
+def _compile_with_inductor(gm, example_inputs, rewrite, joint_hook) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(aten_gm: torch.fx.GraphModule, aten_inputs, **kwargs):
@@ -262,13 +285,34 @@ def _compile_with_inductor(gm, example_inputs, rewrite) -> Callable:
         else:
             kind = "forward"
         aten_gm = rewrite(aten_gm, kind)
+        # A placeholder the activations pass turned into a handle takes a handle now.
+        placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
+        aten_inputs = [node.meta["val"] if node.meta.get("zinf_activation_handle") else example
+                       for node, example in zip(placeholders, aten_inputs)]
         with torch._inductor.config.patch(_KEEP_NODE_ORDER):
             return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    patches = {}
+    if joint_hook is not None:
+        # Inductor runs this on the joint graph right before its min-cut partitioner.
+        existing = torch._inductor.config.joint_custom_pre_pass
+        patches["joint_custom_pre_pass"] = joint_hook if existing is None else _chain(existing, joint_hook)
+    with torch._inductor.config.patch(patches):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-def _compile_eager(gm, example_inputs, rewrite) -> Callable:
+def _chain(existing, hook):
+    passes = tuple(existing) if isinstance(existing, (list, tuple)) else (existing,)
+
+    def chained(graph):
+        for graph_pass in passes:
+            graph_pass(graph)
+        hook(graph)
+
+    return chained
+
+
+def _compile_eager(gm, example_inputs, rewrite, joint_hook) -> Callable:
     def make_compiler(kind: str):
         def compiler(aten_gm: torch.fx.GraphModule, aten_inputs):
             aten_gm = rewrite(aten_gm, kind)
@@ -276,11 +320,16 @@ def _compile_eager(gm, example_inputs, rewrite) -> Callable:
 
         return compiler
 
+    def partition(joint_module, joint_inputs, **kwargs):
+        if joint_hook is not None:
+            joint_hook(joint_module.graph)
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
     return aot_autograd(
         fw_compiler=make_compiler("forward"),
         bw_compiler=make_compiler("backward"),
         inference_compiler=make_compiler("inference"),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 

@@ -83,6 +83,12 @@ class CapturedGraph:
     # The machine's cost model (:class:`zinf_compiler.cost_model.CostModel`),
     # profiled by the backend at the first compile; None outside the backend.
     cost_model: Any = None
+    # What the checkpointing policy decided on the joint graph (zinf_compiler/recompute.py), for the dumps.
+    activation_plan: dict | None = None
+    # Forward value name -> its fake value, for each saved activation the
+    # activations pass offloaded: the backward graph's placeholder of that name
+    # receives a handle instead and fetches the value back.
+    offloaded_activations: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> "CapturedGraph":

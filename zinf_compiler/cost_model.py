@@ -263,10 +263,12 @@ class CostModel:
         return moved / self.profile.memory_bandwidth
 
     def transfer_seconds(self, step: str, nbytes: int) -> float:
-        """Seconds for ``step`` ("nc", "cg", "gg", "rs") to move ``nbytes`` (gg/rs: the gathered size)."""
+        """Seconds for ``step`` ("nc", "cg", "gg", "rs", "write": to NVMe) to move ``nbytes`` (gg/rs: the gathered size)."""
         profile = self.profile
         if step == "nc":
             rate = profile.disk_read or nominal_profile().disk_read
+        elif step == "write":
+            rate = profile.disk_write or nominal_profile().disk_write
         elif step == "cg":
             rate = profile.host_to_device
         elif step in ("gg", "rs"):

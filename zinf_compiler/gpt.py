@@ -25,12 +25,19 @@ class GPTConfig:
     # buffer both take part in forward.
     frozen_scale: bool = False
     graph_break: bool = False  # a data-dependent branch in forward splits the Dynamo graph
+    dropout: float = 0.0  # residual dropout after attention and MLP (GPT-2's resid_pdrop), in training mode
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    # No op at all for p=0: the traced graphs stay free of random ops.
+    return F.dropout(x, p, training) if p > 0 else x
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj.residual_projection = True  # scaled init (GPT-2)
@@ -40,7 +47,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return _dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, width)), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -49,9 +56,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.proj.residual_projection = True
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return _dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):

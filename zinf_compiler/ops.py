@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from zinf_compiler.runtime import binding
+from zinf_compiler.runtime.activations import ACTIVATIONS
 from zinf_compiler.runtime.comm import COMM
 from zinf_compiler.runtime.store import STORE
 
@@ -146,7 +147,70 @@ def _(grad):
     return torch.empty_like(grad)
 
 
-for _op in (release, reduce_grad_wait):
+def _model_ledger():
+    """The ledger of the model whose call is running (None at stage 0: no parameters are bound)."""
+    if not binding.active():
+        return None
+    records = binding.current().records
+    return next(iter(records.values())).ledger if records else None
+
+
+@torch.library.custom_op("zinf::act_offload_start", mutates_args=())
+def act_offload_start(value: torch.Tensor, tier: str, nvme_path: str, name: str) -> torch.Tensor:
+    """Begin copying a saved activation off the device (``tier``: "cpu" or "nvme"); returns its handle.
+
+    The forward graph saves the handle (16 bytes of CPU memory with ``value``'s shape and dtype, every
+    stride 0) for backward instead of ``value``.
+    """
+    return ACTIVATIONS.offload_start(value, tier, nvme_path, name, _model_ledger())
+
+
+def handle_like(value: torch.Tensor) -> torch.Tensor:
+    """The fake of a handle for ``value`` (under the fake mode in force)."""
+    return torch.empty_strided(value.shape, [0] * value.dim(), dtype=value.dtype, device="cpu")
+
+
+@act_offload_start.register_fake
+def _(value, tier, nvme_path, name):
+    return handle_like(value)
+
+
+@torch.library.custom_op("zinf::act_offload_wait", mutates_args=())
+def act_offload_wait(handle: torch.Tensor, value: torch.Tensor) -> None:
+    """The activation's copy off the device is done (``value``: read last here, so freed after)."""
+    ACTIVATIONS.offload_wait(handle)
+
+
+@act_offload_wait.register_fake
+def _(handle, value):
+    return None
+
+
+@torch.library.custom_op("zinf::act_fetch_start", mutates_args=())
+def act_fetch_start(handle: torch.Tensor) -> torch.Tensor:
+    """Begin bringing a saved activation back to the device (backward); returns a token."""
+    ACTIVATIONS.fetch_start(handle)
+    return torch.empty(0, dtype=torch.uint8)
+
+
+@act_fetch_start.register_fake
+def _(handle):
+    return handle.new_empty(0, dtype=torch.uint8)
+
+
+@torch.library.custom_op("zinf::act_fetch_wait", mutates_args=())
+def act_fetch_wait(token: torch.Tensor, handle: torch.Tensor, shape: list[int], stride: list[int],
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Finish the fetch: the activation, with the shape, strides and dtype it was saved with."""
+    return ACTIVATIONS.fetch_wait(handle)
+
+
+@act_fetch_wait.register_fake
+def _(token, handle, shape, stride, dtype, device):
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+for _op in (release, reduce_grad_wait, act_offload_wait):
     torch.fx.has_side_effect(_op._opoverload)
 
 NC_START = torch.ops.zinf.nc_start.default
@@ -159,7 +223,12 @@ RELEASE = torch.ops.zinf.release.default
 REDUCE_GRAD_START = torch.ops.zinf.reduce_grad_start.default
 REDUCE_GRAD_WAIT = torch.ops.zinf.reduce_grad_wait.default
 ALL_REDUCE_GRAD = torch.ops.zinf.all_reduce_grad.default
-START_TO_WAIT = {NC_START: NC_WAIT, CG_START: CG_WAIT, GATHER_START: GATHER_WAIT, REDUCE_GRAD_START: REDUCE_GRAD_WAIT}
+ACT_OFFLOAD_START = torch.ops.zinf.act_offload_start.default
+ACT_OFFLOAD_WAIT = torch.ops.zinf.act_offload_wait.default
+ACT_FETCH_START = torch.ops.zinf.act_fetch_start.default
+ACT_FETCH_WAIT = torch.ops.zinf.act_fetch_wait.default
+START_TO_WAIT = {NC_START: NC_WAIT, CG_START: CG_WAIT, GATHER_START: GATHER_WAIT, REDUCE_GRAD_START: REDUCE_GRAD_WAIT,
+                 ACT_OFFLOAD_START: ACT_OFFLOAD_WAIT, ACT_FETCH_START: ACT_FETCH_WAIT}
 
 
 def arg(node, name: str):

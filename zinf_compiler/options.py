@@ -84,6 +84,22 @@ def _int_at_least(low: int) -> Callable[[Any], int]:
     return parse
 
 
+def _fraction_or_bytes(value: Any) -> float | int:
+    """A fraction in (0, 1] (a float, or a string such as ``"0.5"``) or a byte count (int or ``"2GiB"``)."""
+    if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*(0?\.[0-9]+|1\.0*)\s*", value)):
+        fraction = float(value)
+        if 0.0 < fraction <= 1.0:
+            return fraction
+        raise ValueError("a fraction in (0, 1] or a byte count such as '2GiB'")
+    try:
+        nbytes = parse_bytes(value)
+    except ValueError:
+        raise ValueError("a fraction in (0, 1] such as 0.5, or a byte count such as '2GiB'") from None
+    if nbytes == 0:
+        raise ValueError("a fraction in (0, 1] or a byte count > 0")
+    return nbytes
+
+
 def _or_keyword(keyword: str, inner: Callable[[Any], Any], hint: str) -> Callable[[Any], Any]:
     def parse(value: Any) -> Any:
         if value is None and keyword == "none":
@@ -133,7 +149,15 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "where fp32 master weights and optimizer states rest"),
     OptionSpec("offload_activations", "none", _choice("none", "cpu", "nvme"),
                "where saved activation checkpoints rest"),
-    OptionSpec("activation_checkpointing", "none", _choice("none", "block", "auto"), "recompute policy"),
+    OptionSpec("activation_checkpointing", "none", _choice("none", "block", "auto"),
+               "recompute policy: none, block (recompute inside each repeated block, save block inputs), auto "
+               "(save what fits activation_memory_budget; with offload_activations, recompute or offload each "
+               "tensor, whichever the cost model finds cheaper)"),
+    OptionSpec("activation_memory_budget", 0.5, _fraction_or_bytes,
+               "with activation_checkpointing='auto': saved-activation bytes that may stay on the device, as a "
+               "fraction of what the default partition saves (0.5) or a byte count"),
+    OptionSpec("activation_offload_min_bytes", 64 * 1024, parse_bytes,
+               "with offload_activations: saved activations smaller than this stay on the device"),
     OptionSpec("nvme_path", None, _path_or_none, "folder for swap files (created private)"),
     OptionSpec("param_dtype", "fp32", _choice("bf16", "fp16", "fp32"),
                "compute dtype of gathered params and grads; master weights stay fp32"),
@@ -173,10 +197,7 @@ SPECS_BY_NAME = {spec.name: spec for spec in OPTION_SPECS}
 
 # Values that parse but whose feature this build does not have yet.  Refusing
 # them loudly is better than training with a silently ignored flag.
-NOT_IMPLEMENTED: dict[str, set[Any]] = {
-    "offload_activations": {"cpu", "nvme"},
-    "activation_checkpointing": {"block", "auto"},
-}
+NOT_IMPLEMENTED: dict[str, set[Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +210,8 @@ class ZinfOptions:
     offload_optimizer: str
     offload_activations: str
     activation_checkpointing: str
+    activation_memory_budget: float | int
+    activation_offload_min_bytes: int
     nvme_path: str | None
     param_dtype: str
     tile_threshold: int

@@ -1,0 +1,196 @@
+"""Activation checkpointing: which forward values backward recomputes, decided on the joint graph.
+
+AOTAutograd traces forward and backward as one *joint* graph and its min-cut
+partitioner splits it, choosing which forward values to save.  zinf does not
+write a partitioner of its own: it tags joint-graph nodes with PyTorch's
+checkpoint policies (``node.meta["recompute"]``, the tags
+``torch.utils.checkpoint`` uses under ``torch.compile``) and sets PyTorch's
+activation memory budget, then lets the partitioner cut.  The tags run as
+Inductor's ``joint_custom_pre_pass`` (``lower="inductor"``) or right before
+the partitioner (``lower="eager"``); see :func:`joint_graph_hook`.
+
+Policies (option ``activation_checkpointing``):
+
+* ``"block"``: every forward node inside a repeated block (a module whose
+  path has a numeric part, ``blocks.3``, read from Dynamo's
+  ``nn_module_stack``) is ``MUST_RECOMPUTE``, with one ``ac_graph_id`` per
+  block, so the partitioner saves only what enters each block (the boundary
+  between two blocks is saved by PyTorch's ``cleanup_recompute_tags``).
+  Random ops (dropout) are recomputed with the forward's RNG state: the
+  partitioner's ``functionalize_rng_ops`` saves it and replays it.
+* ``"auto"`` without activation offload: PyTorch's knapsack under
+  ``activation_memory_budget`` (a fraction, passed as is; a byte count is
+  turned into the fraction of the bytes eager autograd would save, so the
+  partitioner never keeps more than the budget).
+* ``"auto"`` with ``offload_activations``: PyTorch's budget machinery only
+  knows "save or recompute", not a third place to keep a value, so zinf
+  chooses per tensor: the values eager autograd would save, largest first,
+  leave the device until what stays fits the budget; each is recomputed
+  (``MUST_RECOMPUTE``) or saved and offloaded (``MUST_SAVE`` plus
+  ``meta["zinf_offload"]``, read by the ``activations`` pass), whichever
+  the cost model estimates cheaper: its recompute time against its transfer
+  time out and back.
+
+Stage 3 needs nothing here: parameters enter the joint graph as primals
+(storage-less at run time) and the partition pass inserts gathers into the
+forward and backward graphs *after* the cut, so a gathered full parameter
+or a collective's result is never a saved value (backward gathers again);
+``tests/test_activations.py`` checks this on the dumped graphs.
+
+The decisions are recorded on ``captured.activation_plan`` for the dumps.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .context import CapturedGraph
+
+_INDEX = re.compile(r"\[(\d+)\]")
+_ROOT = re.compile(r"^L\[[^\]]*\]\.?")  # Dynamo's name of the compiled module: L['self']
+
+
+def block_of(node: torch.fx.Node) -> str | None:
+    """The repeated block a joint-graph node was traced in (``blocks.3``), or None outside any."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = _INDEX.sub(r".\1", _ROOT.sub("", str(path)))  # older spellings: blocks[3]
+    parts = path.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return None
+
+
+def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The joint graph's forward computation: nodes that no tangent (backward input) reaches."""
+    backward: set = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            backward.add(node)
+        elif any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    return [node for node in graph.nodes if node.op == "call_function" and node not in backward]
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return 0
+    try:
+        return int(value.numel()) * value.element_size()
+    except (TypeError, RuntimeError):  # symbolic sizes: take the hint
+        return int(torch.sym_int(value.numel()).node.hint or 0) * value.element_size()
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target.__name__ == "getitem"
+
+
+def saved_by_eager(forward: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Forward values backward reads, directly or through views (what eager autograd would save)."""
+    forward_set = set(forward)
+    return [node for node in forward
+            if not _is_view(node) and _nbytes(node) > 0
+            and any(user not in forward_set and user.op != "output"
+                    for read in (node, *_views_of(node)) for user in read.users)]
+
+
+def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    views, frontier = [], [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "call_function" and _is_view(user) and user not in views:
+                views.append(user)
+                frontier.append(user)
+    return views
+
+
+def tag_blocks(graph: torch.fx.Graph) -> dict[str, int]:
+    """``"block"``: recompute every forward node inside a repeated block.  Returns block -> nodes tagged."""
+    ids: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for node in forward_nodes(graph):
+        block = block_of(node)
+        if block is None:
+            continue
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = ids.setdefault(block, len(ids))
+        counts[block] = counts.get(block, 0) + 1
+    return counts
+
+
+def budget_fraction(budget: float | int, eager_bytes: int) -> float:
+    """PyTorch's budget fraction for ``activation_memory_budget`` (a fraction, or bytes of ``eager_bytes``)."""
+    if isinstance(budget, float):
+        return budget
+    return min(1.0, budget / eager_bytes) if eager_bytes else 1.0
+
+
+def choose_per_tensor(saved: list[torch.fx.Node], budget_bytes: int, cost_model, tier: str,
+                      min_bytes: int) -> list[dict[str, Any]]:
+    """``"auto"`` with offload: recompute or offload the largest saved values until the rest fits the budget."""
+    decisions = []
+    remaining = sum(_nbytes(node) for node in saved)
+    for node in sorted(saved, key=_nbytes, reverse=True):
+        nbytes = _nbytes(node)
+        if remaining <= budget_bytes or nbytes < min_bytes:
+            break
+        recompute_s = cost_model.node_seconds(node)
+        out, back = ("write", "nc") if tier == "nvme" else ("cg", "cg")
+        offload_s = cost_model.transfer_seconds(out, nbytes) + cost_model.transfer_seconds(back, nbytes)
+        choice = "recompute" if recompute_s <= offload_s else "offload"
+        # Backward often reads a view of the value (a reshape before a matmul): the partitioner
+        # saves whichever node backward reads, so the choice holds for the value's views too.
+        for tagged in [node, *_views_of(node)]:
+            if choice == "recompute":
+                tagged.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            else:
+                tagged.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                tagged.meta["zinf_offload"] = True
+        remaining -= nbytes
+        decisions.append({"node": node.name, "bytes": nbytes, "choice": choice,
+                          "recompute_ms": recompute_s * 1e3, "offload_ms": offload_s * 1e3})
+    return decisions
+
+
+def apply_policy(graph: torch.fx.Graph, captured: CapturedGraph) -> None:
+    """Tag ``graph`` (a joint graph) for the options' checkpointing policy; record what was decided."""
+    options = captured.options
+    policy = options.activation_checkpointing
+    plan: dict[str, Any] = {"policy": policy, "offload": options.offload_activations}
+    if policy == "block":
+        plan["blocks"] = tag_blocks(graph)
+    elif policy == "auto":
+        saved = saved_by_eager(forward_nodes(graph))
+        eager_bytes = sum(_nbytes(node) for node in saved)
+        fraction = budget_fraction(options.activation_memory_budget, eager_bytes)
+        plan.update(eager_saved_bytes=eager_bytes, budget_fraction=fraction)
+        if options.offload_activations == "none":
+            # PyTorch's knapsack reads a float budget off the first node that carries one.
+            first = next(iter(graph.nodes))
+            first.meta["memory_budget"] = float(fraction)
+        else:
+            budget_bytes = int(fraction * eager_bytes)
+            plan["budget_bytes"] = budget_bytes
+            plan["decisions"] = choose_per_tensor(saved, budget_bytes, captured.cost_model,
+                                                  options.offload_activations, options.activation_offload_min_bytes)
+    captured.activation_plan = plan
+
+
+def joint_graph_hook(captured: CapturedGraph):
+    """The pre-partition step for ``captured``'s joint graph (None when the policy is "none" with no offload)."""
+    if captured.options.activation_checkpointing == "none":
+        return None
+
+    def hook(graph: torch.fx.Graph) -> None:
+        apply_policy(graph, captured)
+
+    return hook
