@@ -166,6 +166,19 @@ def tree_rss_bytes(pid: int) -> int:
 # ======================================================================================
 
 
+
+def _training_step(model, opt):
+    """One plain PyTorch training step (forward, backward, step, zero_grad); returns the loss."""
+
+    def step(idx, targets):
+        loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
 class Worker:
     """Builds one system's training step; the parent drives it through stdin."""
 
@@ -221,14 +234,7 @@ class Worker:
                 model = torch.compile(model)
             opt = torch.optim.AdamW(module.parameters(), **ADAMW)
 
-            def step(idx, targets):
-                loss = model(idx, targets)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss
-
-            return step
+            return _training_step(model, opt)
         if kind == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -253,14 +259,7 @@ class Worker:
                         model.init_weights(module)
             opt = torch.optim.AdamW(model.parameters(), **ADAMW)
 
-            def step(idx, targets):
-                loss = model(idx, targets)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss
-
-            return step
+            return _training_step(model, opt)
         if kind == "deepspeed":
             return self.setup_deepspeed(settings["device"], big)
         if kind == "zinf":
@@ -354,14 +353,7 @@ class Worker:
         compiled = torch.compile(model, backend="zinf", options=options)
         opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
 
-        def step(idx, targets):
-            loss = compiled(idx, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step
+        return _training_step(compiled, opt)
 
     # --- the protocol -------------------------------------------------------------------
 
