@@ -3,7 +3,7 @@
 Forward (``offload_activations`` = "cpu" or "nvme"): each value the graph
 saves for backward (its outputs past the user-visible ones, as AOTAutograd's
 metadata counts them) that is an activation of at least
-``activation_offload_min_bytes``, dense, of static shape, and (under the
+``activation_offload_min_bytes``, not an overlapping view, of static shape, and (under the
 ``"auto"`` policy) chosen for offload by :mod:`zinf_compiler.recompute`, is
 bracketed by::
 
@@ -66,6 +66,30 @@ def _dense(value) -> bool:
     return True
 
 
+def _overlapping(value) -> bool:
+    """Whether two elements share memory (an expanded view): copying it out would multiply its bytes."""
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(value.shape, value.stride()) if size != 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _fetched_like(saved):
+    """The fake value a fetch returns: the saved value itself, or (not dense) a contiguous copy of it.
+
+    A view with gaps (q of a fused qkv projection) leaves as a contiguous
+    copy of its elements, not its base's span; backward is traced against
+    the contiguous value, so Inductor's code matches what the fetch returns.
+    """
+    if _dense(saved):
+        return saved
+    fake_mode = getattr(saved, "fake_mode", None)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+
+
 def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose memory ``node`` views (itself when it is no view)."""
     while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
@@ -115,8 +139,8 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         why_not = None
         if not _static(value):
             why_not = "symbolic shape"
-        elif not _dense(value):
-            why_not = "not dense"
+        elif _overlapping(value):
+            why_not = "overlapping view"
         elif row["bytes"] < options.activation_offload_min_bytes:
             why_not = "below activation_offload_min_bytes"
         elif node in visible:
@@ -161,10 +185,12 @@ def _backward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         first_use = min(uses, key=order.__getitem__)
         with graph.inserting_before(first_use):
             token = call_op(graph, ops.ACT_FETCH_START, (placeholder,), name=f"fetch_{placeholder.name}")
+            fetched_value = _fetched_like(saved)
             value = graph.call_function(ops.ACT_FETCH_WAIT, (token, placeholder, list(saved.shape),
-                                                             list(saved.stride()), saved.dtype, saved.device))
+                                                             list(fetched_value.stride()), saved.dtype,
+                                                             saved.device))
             value._rename(f"fetched_{placeholder.name}")
-            value.meta["val"] = saved
+            value.meta["val"] = fetched_value
         for use in uses:
             use.replace_input_with(placeholder, value)
         fetched.append({"name": placeholder.name, "bytes": _nbytes(saved)})

@@ -38,16 +38,37 @@ import weakref
 import numpy as np
 import torch
 
-from .aio import AioEngine
+from .aio import ALIGNMENT, AioEngine
 from .copy_engine import COPIER
 from .pinned import PinnedPool
 from .store import STORE
 
+# The NVMe tier stages through one pinned pool, sized 4x the largest value
+# offloaded so far within these bounds.  A value moves in pieces of at most a
+# quarter of the pool, each its own swap key: so a 7 GiB logits tensor needs
+# 64 MiB of staging, not 28 GiB, and its writes overlap its own copies.
 MIN_POOL_BYTES = 64 << 20
+MAX_POOL_BYTES = 256 << 20
 
 
 class ZinfActivationError(RuntimeError):
     """A saved activation could not be offloaded or fetched back."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Piece:
+    """One NVMe swap key of an entry: the bytes [offset, offset + nbytes) of the value, in memory order."""
+
+    entry: "_Entry"
+    key: str
+    offset: int
+    nbytes: int
+    staging: object = None  # the pinned buffer holding the piece, during its copy out + write or read + copy in
+    copy: object = None  # CopyWork of the copy into staging (offload)
+    write: object = None  # AioRequest of the write, until reaped
+    read: object = None  # AioRequest of the read (fetch)
+    written: bool = False  # its write was submitted
+    fetched: bool = False  # copied into the fetch in flight
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,15 +84,36 @@ class _Entry:
     ledger: object  # the model's Ledger, or None (stage 0: no parameters bound)
     engine: AioEngine | None = None
     host: torch.Tensor | None = None  # cpu tier: the copy
-    staging: object = None  # nvme tier: the pinned buffer of the copy out, until its write finished
-    copy: object = None  # CopyWork of the copy out, until offload_wait
-    write: object = None  # AioRequest of the NVMe write, until reaped
-    fetch: tuple | None = None  # (device tensor, CopyWork | AioRequest, staging) of a fetch in flight
+    copy: object = None  # cpu tier: CopyWork of the copy out, until offload_wait
+    source: torch.Tensor | None = None  # nvme tier: the value's bytes (1-D, memory order) until every piece is staged
+    pieces: list = dataclasses.field(default_factory=list)  # nvme tier
+    fetch: tuple | None = None  # (device tensor, its 1-D memory-order view, CopyWork | None) of a fetch in flight
     dropped: bool = False
 
     @property
     def key(self) -> str:
         return f"act.{self.id}"
+
+
+def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s elements as a 1-D view in memory order, or None when they are not one dense span."""
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)
+    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class ActivationStore:
@@ -83,7 +125,10 @@ class ActivationStore:
         self._engines: dict[str, AioEngine] = {}
         self._engine_settings: dict[str, dict] = {}
         self._pool: PinnedPool | None = None
-        self._writes: list[_Entry] = []  # NVMe writes in flight, oldest first
+        self.min_pool_bytes = MIN_POOL_BYTES
+        self.max_pool_bytes = MAX_POOL_BYTES
+        self._copies: list[_Piece] = []  # copies into staging whose write is not submitted yet
+        self._writes: list[_Piece] = []  # NVMe writes in flight, oldest first
         self.held = {"cpu": 0, "nvme": 0}  # process-wide bytes of live entries
         self.peak_held = {"cpu": 0, "nvme": 0}
 
@@ -103,29 +148,55 @@ class ActivationStore:
     def engines(self) -> list[AioEngine]:
         return list(self._engines.values())
 
-    def _staging(self, nbytes: int):
-        """A pinned buffer for an NVMe transfer, reclaiming finished writes first (waits on the oldest)."""
-        if self._pool is None or nbytes > self._pool.capacity_bytes:
-            self._drain_writes(keep=0)
+    # --- staging ------------------------------------------------------------------------
+
+    def set_staging_bounds(self, min_bytes: int, max_bytes: int) -> None:
+        """Bound the NVMe staging pool (default 64-256 MiB); the idle pool is rebuilt at the next offload."""
+        if not 0 < min_bytes <= max_bytes:
+            raise ValueError(f"staging bounds must satisfy 0 < min <= max, got {min_bytes:,} and {max_bytes:,}")
+        with self._lock:
+            self.finish()
             if self._pool is not None and self._pool.buffers_in_use:
-                raise ZinfActivationError(
-                    f"a {nbytes:,}-byte activation does not fit the activation staging pool "
-                    f"({self._pool.capacity_bytes:,} bytes) while it is in use")
+                raise ZinfActivationError("the activation staging pool is in use (a fetch or copy in flight)")
             if self._pool is not None:
                 STORE.process.add_resting("cpu", -self._pool.capacity_bytes)
                 self._pool.close()
-            self._pool = PinnedPool(max(MIN_POOL_BYTES, 4 * nbytes))
-            STORE.process.add_resting("cpu", self._pool.capacity_bytes)
+                self._pool = None
+            self.min_pool_bytes, self.max_pool_bytes = min_bytes, max_bytes
+
+    def _grow_pool(self, nbytes: int) -> None:
+        """Size the pool for values of ``nbytes`` (4x, within the bounds) while none of it is in use."""
+        wanted = max(self.min_pool_bytes, min(4 * nbytes, self.max_pool_bytes))
+        if self._pool is not None and (self._pool.capacity_bytes >= wanted or self._pool.buffers_in_use):
+            return  # big enough, or busy: pieces fit any pool
+        if self._pool is not None:
+            STORE.process.add_resting("cpu", -self._pool.capacity_bytes)
+            self._pool.close()
+        self._pool = PinnedPool(wanted)
+        STORE.process.add_resting("cpu", self._pool.capacity_bytes)
+
+    def _piece_bytes(self) -> int:
+        return max(ALIGNMENT, self._pool.capacity_bytes // 4 // ALIGNMENT * ALIGNMENT)
+
+    def _try_staging(self, nbytes: int):
+        """A pinned buffer if one is free now (finished writes reclaimed first), else None."""
+        self._reap()
+        try:
+            return self._pool.acquire(nbytes, timeout=0)
+        except TimeoutError:
+            return None
+
+    def _staging(self, nbytes: int):
+        """A pinned buffer, waiting for the oldest NVMe write to finish while none is free."""
         while True:
-            self._reap()
-            try:
-                return self._pool.acquire(nbytes, timeout=0)
-            except TimeoutError:
-                if not self._writes:
-                    # Fetches prefetched ahead hold the pool, and only this thread's later
-                    # waits free them: waiting would deadlock.  A one-off buffer instead.
-                    return PinnedPool(nbytes, pin=False).acquire(nbytes)
-                self._drain_writes(keep=len(self._writes) - 1)
+            buffer = self._try_staging(nbytes)
+            if buffer is not None:
+                return buffer
+            if not self._writes:
+                # Fetches prefetched ahead hold the pool, and only this thread's later
+                # waits free them: waiting would deadlock.  A one-off piece-sized buffer instead.
+                return PinnedPool(nbytes, pin=False).acquire(nbytes)
+            self._finish_write(self._writes[0])
 
     @property
     def pool_bytes(self) -> int:
@@ -142,17 +213,51 @@ class ActivationStore:
             entry = _Entry(id=next(self._ids), name=name, tier=tier, shape=tuple(tensor.shape),
                            stride=tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device,
                            nbytes=tensor.numel() * tensor.element_size(), ledger=ledger)
+            flat = _memory_order(tensor)
+            if flat is None:
+                # A view with gaps (q of a fused qkv): its elements leave contiguous, and the
+                # fetch returns them contiguous (the activations pass traced backward so).
+                entry.stride = _contiguous_strides(entry.shape)
             if tier == "cpu":
                 entry.host = torch.empty(entry.shape, dtype=entry.dtype, pin_memory=tensor.is_cuda)
-                target = entry.host
+                entry.copy = COPIER.copy(entry.host, tensor, "activations", f"offload {name}")
             else:
                 entry.engine = self._engine(nvme_path)
-                entry.staging = self._staging(entry.nbytes)
-                target = entry.staging.tensor(entry.dtype, tensor.numel()).view(entry.shape)
-            entry.copy = COPIER.copy(target, tensor, "activations", f"offload {name}")
+                if flat is None:
+                    flat = tensor.contiguous().reshape(-1)
+                entry.source = flat.view(torch.uint8) if flat.numel() else flat
+                self._grow_pool(entry.nbytes)
+                step = self._piece_bytes()
+                entry.pieces = [_Piece(entry, f"{entry.key}.{index}", offset, min(step, entry.nbytes - offset))
+                                for index, offset in enumerate(range(0, entry.nbytes, step))]
+                self._stage_out(entry, block=False)
             self._entries[entry.id] = entry
             self._count(entry, +1)
         return self._handle(entry, tensor)
+
+    def _stage_out(self, entry: _Entry, block: bool) -> None:
+        """Start copying pieces into staging: as far as buffers are free, or (``block``) the next one."""
+        for piece in entry.pieces:
+            if piece.staging is not None or piece.written or entry.source is None:
+                continue
+            piece.staging = self._staging(piece.nbytes) if block else self._try_staging(piece.nbytes)
+            if piece.staging is None:
+                return
+            target = piece.staging.tensor(torch.uint8, piece.nbytes)
+            source = entry.source[piece.offset: piece.offset + piece.nbytes]
+            piece.copy = COPIER.copy(target, source, "activations", f"offload {entry.name}")
+            self._copies.append(piece)
+            if block:
+                return
+
+    def _submit_write(self, piece: _Piece) -> None:
+        # The disk reads the staging buffer next: the host waits for the copy itself (on CUDA, its event).
+        piece.copy.synchronize()
+        piece.copy = None
+        self._copies.remove(piece)
+        piece.written = True
+        piece.write = piece.entry.engine.write(piece.key, piece.staging, piece.nbytes)
+        self._writes.append(piece)
 
     def _handle(self, entry: _Entry, like: torch.Tensor) -> torch.Tensor:
         """16 bytes of CPU memory viewed with ``like``'s shape and dtype, every stride 0.
@@ -174,51 +279,97 @@ class ActivationStore:
         return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in self._by_address
 
     def offload_wait(self, handle: torch.Tensor) -> None:
-        """Finish the copy off the device (the graph then frees the device value); nvme: submit its write."""
+        """Finish the copy off the device (the graph then frees the device value); nvme: submit its writes.
+
+        A value larger than the free staging is streamed here: each piece's
+        write is submitted as soon as its copy landed, and later pieces wait
+        for earlier writes to free staging.
+        """
         entry = self._entry(handle, "offload_wait")
-        if entry.copy is None:
+        if entry.tier == "cpu":
+            if entry.copy is not None:
+                entry.copy.wait()
+                entry.copy = None
             return
-        entry.copy.wait()
-        entry.copy = None
-        if entry.tier == "nvme":
-            with self._lock:
-                entry.write = entry.engine.write(entry.key, entry.staging, entry.nbytes)
-                self._writes.append(entry)
+        with self._lock:
+            if entry.source is None:
+                return
+            for piece in entry.pieces:
+                if piece.written:
+                    continue
+                if piece.staging is None:
+                    self._stage_out(entry, block=True)
+                if piece.copy is not None:
+                    self._submit_write(piece)
+                self._stage_out(entry, block=False)  # later pieces into whatever staging the reap freed
+            entry.source = None
 
     # --- backward -----------------------------------------------------------------------
 
     def fetch_start(self, handle: torch.Tensor) -> None:
         """Begin bringing the value of ``handle`` back to its device, in a fresh tensor."""
         entry = self._entry(handle, "fetch_start")
-        if entry.copy is not None:  # no offload_wait ran (a graph without the pass's wait): finish it now
+        if entry.fetch is not None:
+            return
+        if entry.tier == "cpu" and entry.copy is not None:  # no offload_wait ran: finish the copy first
+            self.offload_wait(handle)
+        if entry.tier == "nvme" and entry.source is not None:
             self.offload_wait(handle)
         out = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=entry.device)
         if entry.tier == "cpu":
-            entry.fetch = (out, COPIER.copy(out, entry.host, "activations", f"fetch {entry.name}"), None)
+            entry.fetch = (out, None, COPIER.copy(out, entry.host, "activations", f"fetch {entry.name}"))
             return
+        flat = _memory_order(out)
+        entry.fetch = (out, flat.view(torch.uint8) if flat.numel() else flat, None)
         with self._lock:
-            if entry.write is not None:
-                self._finish_write(entry)
-            staging = self._staging(entry.nbytes)
-        entry.fetch = (out, entry.engine.read(entry.key, staging, entry.nbytes), staging)
+            for piece in entry.pieces:
+                piece.fetched = False
+            self._read_pieces(entry, block=False)
+
+    def _read_pieces(self, entry: _Entry, block: bool) -> None:
+        """Start reading pieces into staging (as far as buffers are free, or the next one when ``block``)."""
+        for piece in entry.pieces:
+            if piece.read is not None or piece.fetched:
+                continue
+            if piece.write is not None:
+                self._finish_write(piece)
+            piece.staging = self._staging(piece.nbytes) if block else self._try_staging(piece.nbytes)
+            if piece.staging is None:
+                return
+            piece.read = entry.engine.read(piece.key, piece.staging, piece.nbytes)
+            if block:
+                return
 
     def fetch_wait(self, handle: torch.Tensor) -> torch.Tensor:
         entry = self._entry(handle, "fetch_wait")
         if entry.fetch is None:
             self.fetch_start(handle)
-        out, work, staging = entry.fetch
+        out, flat, copy = entry.fetch
         entry.fetch = None
-        work.wait()
-        if staging is not None:
-            source = staging.tensor(entry.dtype, out.numel()).view(entry.shape)
-            COPIER.copy(out, source, "activations", f"fetch {entry.name}").wait()
-            staging.release()
+        if entry.tier == "cpu":
+            copy.wait()
+            return out
+        for piece in entry.pieces:
+            with self._lock:
+                if piece.read is None:
+                    self._read_pieces(entry, block=True)
+            piece.read.wait()
+            piece.read = None
+            piece.fetched = True
+            source = piece.staging.tensor(torch.uint8, piece.nbytes)
+            # The staging buffer is reused once released: wait for the copy on the host.
+            COPIER.copy(flat[piece.offset: piece.offset + piece.nbytes], source, "activations",
+                        f"fetch {entry.name}").synchronize()
+            piece.staging.release()
+            piece.staging = None
+            with self._lock:
+                self._read_pieces(entry, block=False)  # the freed buffer takes the next piece
         return out
 
     # --- lifetime -----------------------------------------------------------------------
 
     def drop(self, entry_id: int) -> None:
-        """The handle is gone: free the host copy and the swap file (a write in flight finishes first)."""
+        """The handle is gone: free the host copy and the swap files (writes in flight finish first)."""
         with self._lock:
             entry = self._entries.pop(entry_id, None)
             if entry is None:
@@ -228,21 +379,25 @@ class ActivationStore:
             entry.dropped = True
             self._count(entry, -1)
             if entry.copy is not None:
-                entry.copy.wait()
+                entry.copy.synchronize()
                 entry.copy = None
-            if entry.fetch is not None:
-                entry.fetch[1].wait()
-                if entry.fetch[2] is not None:
-                    entry.fetch[2].release()
-                entry.fetch = None
             entry.host = None
-            if entry.write is not None:
-                return  # _reap forgets the key once the write finished
-            if entry.staging is not None:
-                entry.staging.release()
-                entry.staging = None
-            if entry.engine is not None:
-                entry.engine.forget(entry.key)
+            entry.source = None
+            entry.fetch = None
+            for piece in entry.pieces:
+                if piece.copy is not None:
+                    piece.copy.synchronize()
+                    piece.copy = None
+                    self._copies.remove(piece)
+                if piece.read is not None:
+                    piece.read.wait()
+                    piece.read = None
+                if piece.write is not None:
+                    continue  # _reap forgets the key once the write finished
+                if piece.staging is not None:
+                    piece.staging.release()
+                    piece.staging = None
+                entry.engine.forget(piece.key)
 
     def _entry(self, handle: torch.Tensor, op: str) -> _Entry:
         entry = self._entries.get(self._by_address.get(handle.untyped_storage().data_ptr(), -1))
@@ -250,32 +405,31 @@ class ActivationStore:
             raise ZinfActivationError(f"{op}: the handle names no saved activation (freed, or not a handle)")
         return entry
 
-    def _finish_write(self, entry: _Entry) -> None:
+    def _finish_write(self, piece: _Piece) -> None:
         try:
-            entry.write.wait()
+            piece.write.wait()
         finally:
-            entry.write = None
-            if entry in self._writes:
-                self._writes.remove(entry)
-            entry.staging.release()
-            entry.staging = None
-            if entry.dropped:
-                entry.engine.forget(entry.key)
+            piece.write = None
+            if piece in self._writes:
+                self._writes.remove(piece)
+            piece.staging.release()
+            piece.staging = None
+            if piece.entry.dropped:
+                piece.entry.engine.forget(piece.key)
 
     def _reap(self) -> None:
-        """Reclaim the staging buffers of finished NVMe writes."""
+        """Submit the writes of pieces whose copy landed; reclaim the staging of finished writes."""
         with self._lock:
-            for entry in [entry for entry in self._writes if entry.write.done()]:
-                self._finish_write(entry)
-
-    def _drain_writes(self, keep: int) -> None:
-        with self._lock:
-            while len(self._writes) > keep:
-                self._finish_write(self._writes[0])
+            for piece in [piece for piece in self._copies if piece.copy.done()]:
+                self._submit_write(piece)
+            for piece in [piece for piece in self._writes if piece.write.done()]:
+                self._finish_write(piece)
 
     def finish(self) -> None:
         """Wait for every NVMe write in flight (tests and shutdown)."""
-        self._drain_writes(keep=0)
+        with self._lock:
+            while self._writes:
+                self._finish_write(self._writes[0])
 
     def _count(self, entry: _Entry, sign: int) -> None:
         delta = sign * entry.nbytes

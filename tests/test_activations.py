@@ -50,10 +50,13 @@ def test_dropout_masks_are_recomputed_exactly(policy, tier, tmp_path):
         assert "run_with_rng_state" in backward
 
 
-def test_inductor_lowering_with_checkpointing_and_offload(tmp_path):
-    """The handle that replaces an offloaded value passes Inductor's own bookkeeping of saved values."""
-    options = {"stage": 3, "lower": "inductor", "activation_checkpointing": "block", "offload_activations": "cpu",
-               "activation_offload_min_bytes": 0}
+@pytest.mark.parametrize("policy,tier", [("block", "cpu"), ("none", "nvme")])
+def test_inductor_lowering_with_checkpointing_and_offload(policy, tier, tmp_path):
+    """The handle that replaces an offloaded value passes Inductor's own bookkeeping of saved values; without
+    checkpointing, q, k and v (views with gaps into the fused qkv output) come back contiguous, and the
+    backward Inductor compiled is traced against that."""
+    options = {"stage": 3, "lower": "inductor", "activation_checkpointing": policy, "offload_activations": tier,
+               "activation_offload_min_bytes": 0, "nvme_path": str(tmp_path)}
     comparison = compare_training(GPTConfig(n_layer=2), options, steps=3)
     # Inductor's fused kernels round differently from eager (params agree to ~3e-4 without these options too).
     assert comparison.max_loss_error <= 1e-5 and comparison.max_param_error <= 1e-3, comparison.describe()
@@ -178,3 +181,26 @@ def test_activation_options_parse():
             parse_options({"activation_memory_budget": bad})
     with pytest.raises(ZinfOptionError, match="nvme_path"):
         parse_options({"offload_activations": "nvme"})
+
+
+def test_nvme_activations_larger_than_the_staging_pool_stream_in_pieces(tmp_path):
+    """A saved value larger than the staging pool moves in pieces (one swap key each) through a pool that
+    never grows past its bound, and training equals eager; swap files and staging are all freed after."""
+    ACTIVATIONS.set_staging_bounds(64 << 10, 64 << 10)  # 16 KiB pieces; the logits here are 128 KiB
+    written_before = sum(engine.bytes_written for engine in ACTIVATIONS.engines())
+    try:
+        options = {"stage": 3, "lower": "eager", "offload_activations": "nvme", "nvme_path": str(tmp_path),
+                   "activation_offload_min_bytes": 0, "dump_dir": str(tmp_path / "dumps")}
+        comparison = compare_training(GPTConfig(n_layer=2), options, steps=3)
+        assert comparison.max_loss_error <= 1e-6 and comparison.max_param_error <= 1e-5, comparison.describe()
+        # Every saved activation left, the views with gaps (q, k, v) included.
+        saved = json.loads(_graph_folder(tmp_path / "dumps").joinpath("forward.activations.json").read_text())
+        activations = [row for row in saved["saved"] if row["kind"] == "activation"]
+        assert len(activations) > 10 and all(row["where"] == "nvme" for row in activations), activations
+        assert ACTIVATIONS.pool_bytes == 64 << 10
+        ACTIVATIONS.finish()
+        assert sum(engine.bytes_written for engine in ACTIVATIONS.engines()) > written_before + (1 << 20)
+        assert ACTIVATIONS.live_entries() == 0
+        assert all(engine.bytes_on_disk() == 0 for engine in ACTIVATIONS.engines())
+    finally:
+        ACTIVATIONS.set_staging_bounds(64 << 20, 256 << 20)
