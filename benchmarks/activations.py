@@ -66,15 +66,17 @@ def child(args) -> None:
         # offload-all at the budget: the per-tensor choice with recomputing priced out.
         original = recompute.choose_per_tensor
 
-        def offload_only(saved, budget_bytes, cost_model, tier, min_bytes):
+        def offload_only(saved, budget_bytes, cost_model, tier, min_bytes, forward_seconds=0.0):
             class _Never:
+                profile = cost_model.profile
+
                 def node_seconds(self, node):
                     return float("inf")
 
                 def transfer_seconds(self, step, nbytes):
                     return cost_model.transfer_seconds(step, nbytes)
 
-            return original(saved, budget_bytes, _Never(), tier, min_bytes)
+            return original(saved, budget_bytes, _Never(), tier, min_bytes, forward_seconds)
 
         recompute.choose_per_tensor = offload_only
     torch.manual_seed(0)

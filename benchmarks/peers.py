@@ -18,7 +18,9 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
 * DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on
   ``cpu`` and on ``nvme`` (its optimizer: DeepSpeedCPUAdam in AdamW mode);
 * zinf at stage 3 with ``offload_param``/``offload_optimizer`` = none, cpu,
-  nvme, ``zinf.optim.AdamW``, default options (Inductor lowering).
+  nvme, ``zinf.optim.AdamW``, default options (Inductor lowering); and nvme
+  with ``nvme_grad_ram_bytes`` covering every gradient (DeepSpeed keeps its
+  gradients in RAM too).
 
 Same for all: fp32 everywhere, the same initial weights (``torch.manual_seed``
 before building the GPT), the same global batches (rank r takes its slice of
@@ -101,6 +103,9 @@ SYSTEMS = {
     "zinf": ("zinf stage 3, no offload", "zinf", {"device": "none", "placement": "none"}),
     "zinf_cpu": ("zinf stage 3, offload cpu", "zinf", {"device": "cpu", "placement": "cpu"}),
     "zinf_nvme": ("zinf stage 3, offload nvme", "zinf", {"device": "nvme", "placement": "nvme"}),
+    # Like DeepSpeed, which keeps gradients in RAM: nvme_grad_ram_bytes covering every gradient.
+    "zinf_nvme_ram": ("zinf stage 3, offload nvme, gradients in RAM", "zinf",
+                      {"device": "nvme", "placement": "nvme", "grads_in_ram": True}),
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)
@@ -263,7 +268,7 @@ class Worker:
         if kind == "deepspeed":
             return self.setup_deepspeed(settings["device"], big)
         if kind == "zinf":
-            return self.setup_zinf(settings["device"], big)
+            return self.setup_zinf(settings["device"], big, settings.get("grads_in_ram", False))
         raise ValueError(kind)
 
     def setup_deepspeed(self, device: str, big: bool):
@@ -332,7 +337,7 @@ class Worker:
 
         return step
 
-    def setup_zinf(self, device: str, big: bool):
+    def setup_zinf(self, device: str, big: bool, grads_in_ram: bool = False):
         import torch
         import zinf_compiler as zinf
         from zinf_compiler.gpt import GPT
@@ -341,6 +346,8 @@ class Worker:
         if device == "nvme":
             options["nvme_path"] = self.spec["swap_dir"]
             options["nvme_copies"] = self.spec["nvme_copies"]
+            if grads_in_ram:
+                options["nvme_grad_ram_bytes"] = 1 << 40
         if self.spec.get("trace_dir"):
             options.update(dump_dir=self.spec["trace_dir"], trace_step=self.spec["trace_step"])
         if big:
@@ -800,6 +807,8 @@ def report(args, configs: list[Config], params: int, wall: float) -> None:
             print(text + (": met" if met else ": MISSED"))
 
         target("zinf nvme vs DeepSpeed nvme throughput", "zinf_nvme", "ds_nvme", 1.5, rss=True)
+        target("zinf nvme, gradients in RAM, vs DeepSpeed nvme throughput", "zinf_nvme_ram", "ds_nvme", 1.5,
+               rss=True)
         target("zinf cpu vs DeepSpeed cpu", "zinf_cpu", "ds_cpu", 1.2)
         target("zinf cpu vs FSDP2 + CPUOffloadPolicy", "zinf_cpu", "fsdp2_cpu", 1.0)
         z = get("zinf")

@@ -119,6 +119,7 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         return {"saved": rows, "note": "saved values unknown (no AOTAutograd metadata): nothing offloaded"}
     visible = set(outputs[:first])
     auto = options.activation_checkpointing == "auto"
+    chosen, kept_by_policy = [], []  # (output index, node, row) to offload / that auto chose to keep
     for index in range(first, len(outputs)):
         node = outputs[index]
         if not isinstance(node, torch.fx.Node):
@@ -147,12 +148,29 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
             why_not = "also a forward output"
         elif auto and not node.meta.get("zinf_offload"):
             why_not = "auto policy keeps it"
+            kept_by_policy.append((index, node, row))
         if why_not is not None:
             row["kept_because"] = why_not
             continue
+        chosen.append((index, node, row))
+    plan = ctx.captured.activation_plan or {}
+    if auto and "budget_bytes" in plan:
+        # The policy priced the values eager autograd would save; the partitioner may save
+        # others (it cuts where it likes).  Past the budget, those leave too, largest first:
+        # recomputing them is no longer an option after the cut.
+        leaving = {id(row) for _, _, row in chosen}
+        on_device = sum(row["bytes"] or 0 for row in rows if row["kind"] == "activation" and id(row) not in leaving)
+        for index, node, row in sorted(kept_by_policy, key=lambda item: item[2]["bytes"], reverse=True):
+            if on_device <= plan["budget_bytes"]:
+                break
+            on_device -= row["bytes"]
+            del row["kept_because"]
+            row["offloaded_because"] = "over activation_memory_budget after the partition"
+            chosen.append((index, node, row))
+    for index, node, row in chosen:
         outputs[index] = _offload(graph, node, tier, options.nvme_path or "")
         row["where"] = tier
-        ctx.captured.offloaded_activations[node.name] = value
+        ctx.captured.offloaded_activations[node.name] = node.meta["val"]
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     return {"saved": rows}
 
@@ -210,7 +228,7 @@ def describe(ctx: GraphContext) -> list[str]:
         lines.append(f"activations: checkpointing {summary}")
         for decision in plan.get("decisions", []):
             lines.append(f"  auto: {decision['node']} {decision['bytes']:,} bytes -> {decision['choice']} "
-                         f"(recompute {decision['recompute_ms']:.3f} ms, offload {decision['offload_ms']:.3f} ms)")
+                         f"(recompute {decision['recompute_ms']:.3f} ms, offload {decision['offload_ms']:.3f} ms not hidden by compute)")
     if "note" in facts:
         lines.append(f"activations: {facts['note']}")
     if "saved" in facts:
@@ -224,6 +242,8 @@ def describe(ctx: GraphContext) -> list[str]:
         for row in rows:
             nbytes = "symbolic" if row["bytes"] is None else f"{row['bytes']:,}"
             extra = f" (kept: {row['kept_because']})" if row.get("kept_because") else ""
+            if row.get("offloaded_because"):
+                extra = f" ({row['offloaded_because']})"
             lines.append(f"  saved {row['name']:<28} {nbytes:>14} bytes  {row['kind']:<10} -> {row['where']}{extra}")
     if "fetched" in facts:
         lines.append(f"activations: {len(facts['fetched'])} fetched back "

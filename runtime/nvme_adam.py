@@ -4,7 +4,8 @@ Each nvme-tier parameter slice keeps its fp32 master and its two moments in
 swap files, split into sub-groups of at most ``SUB_GROUP_NUMEL`` elements
 (keys ``master.<uid>.<i>``, ``exp_avg.<uid>.<i>``, ``exp_avg_sq.<uid>.<i>``);
 the reduced gradient waits in ``grad.<uid>.<i>`` (written by the store
-during backward).
+during backward), or in CPU memory for the parameters the option
+``nvme_grad_ram_bytes`` covers (``record.grad_in_ram``: no gradient I/O).
 A step walks the sub-groups in order: the reads of group i+1 are in flight
 while group i is updated (torch's fused CPU Adam kernel) and the writes of
 group i-1 drain, so disk and compute overlap.  Updated low-precision
@@ -66,6 +67,8 @@ class NvmeAdam:
         nbytes = group.numel * 4
         pool, engine = self.store._pool(4 * nbytes), group.record.swap
         for name in STATE_NAMES + ("grad",):
+            if name == "grad" and group.record.grad_in_ram:
+                continue  # read in place from the gradient shard in memory
             group.buffers[name] = pool.acquire(nbytes, timeout=self.store_wait_seconds)
             if name in ("exp_avg", "exp_avg_sq") and first_step:
                 group.buffers[name].tensor(torch.float32, group.numel).zero_()
@@ -108,8 +111,12 @@ class NvmeAdam:
                     self._start_reads(upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
                 for request in group.requests:
                     request.wait()
-                master, exp_avg, exp_avg_sq, grad = (group.buffers[name].tensor(torch.float32, group.numel)
-                                                     for name in STATE_NAMES + ("grad",))
+                master, exp_avg, exp_avg_sq = (group.buffers[name].tensor(torch.float32, group.numel)
+                                               for name in STATE_NAMES)
+                if record.grad_in_ram:
+                    grad = record.grad_shard[group.start : group.stop]
+                else:
+                    grad = group.buffers["grad"].tensor(torch.float32, group.numel)
                 if record.grad_multiplier != 1.0:
                     grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
                 step_count = self.steps.get(record.uid, 0) + 1

@@ -68,6 +68,9 @@ class ParamRecord(ParamLayout):
     # its squared norm is kept for clipping, which scales it lazily by
     # ``grad_multiplier`` when the step reads it.
     grad_on_disk: bool = False
+    # nvme optimizer tier within the option nvme_grad_ram_bytes: the gradient
+    # stays in ``grad_shard`` (CPU memory) and the step reads it from there.
+    grad_in_ram: bool = False
     grad_sq_norm: float = 0.0
     grad_multiplier: float = 1.0
     swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
@@ -129,6 +132,7 @@ class ParamStore:
         self._uids = itertools.count()
         self._lock = threading.RLock()
         self._owned_bytes_by_rank: dict[int, int] = {}
+        self._grad_ram_reserved = 0  # bytes of nvme-tier gradients adopted to stay in RAM (nvme_grad_ram_bytes)
         self.fp16_scaler = Fp16GradScaler()
         # NVMe swap and the pinned pool: made on first need (see configure_offload).
         self._engines: dict[str, AioEngine] = {}
@@ -261,7 +265,7 @@ class ParamStore:
               param_tier: str = "device", opt_tier: str = "device",
               tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
               read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParamRecord:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int = 0) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
@@ -276,6 +280,9 @@ class ParamStore:
         with the new record, it returns the local slice (see
         :meth:`ParamRecord.owned_ranges`) in ``record.holding_dtype``; the
         parameter's memory is never read, and nothing is broadcast.
+        ``grad_ram_bytes`` (nvme optimizer tier): the process's budget of
+        gradient bytes kept in CPU memory instead of swap files; parameters
+        take it in adoption order while it lasts.
 
         The store holds the parameter only weakly: when it is garbage-collected
         (its model and optimizer dropped), its shards, gradients, swap files and
@@ -334,6 +341,10 @@ class ParamStore:
                 local = _local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
                                      tile_align)
             record.shard = local.new_empty(0, dtype=compute_dtype)
+            grad_bytes = record.local_numel * 4
+            if opt_tier == "nvme" and not exact and self._grad_ram_reserved + grad_bytes <= grad_ram_bytes:
+                record.grad_in_ram = True
+                self._grad_ram_reserved += grad_bytes
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             self._records[uid] = record
@@ -501,6 +512,8 @@ class ParamStore:
     def _free(self, record: ParamRecord) -> None:
         """Give back everything ``record`` holds: memory (and its accounting), swap files, ownership."""
         self.drop_grads([record])
+        if record.grad_in_ram:
+            self._grad_ram_reserved -= record.local_numel * 4
         if record.full_storage_bytes:
             self._add_resting("device", -record.full_storage_bytes, ledger=record.ledger)
         if record.param_tier != "nvme":
@@ -751,7 +764,7 @@ class ParamStore:
         start, stop = piece.local_range
         if stop == start:
             return
-        if record.opt_tier == "nvme":
+        if record.opt_tier == "nvme" and not record.grad_in_ram:
             if (start, stop) == (0, record.local_numel):
                 self._swap_grad(record, reduced)
                 return

@@ -204,3 +204,71 @@ def test_nvme_activations_larger_than_the_staging_pool_stream_in_pieces(tmp_path
         assert all(engine.bytes_on_disk() == 0 for engine in ACTIVATIONS.engines())
     finally:
         ACTIVATIONS.set_staging_bounds(64 << 20, 256 << 20)
+
+
+def _saved_values(sizes_mib: list[int]) -> list[torch.fx.Node]:
+    graph = torch.fx.Graph()
+    nodes = []
+    for index, size in enumerate(sizes_mib):
+        node = graph.call_function(torch.ops.aten.relu.default, ())
+        node.meta["val"] = torch.empty(size << 18)  # size MiB of fp32
+        node._rename(f"value_{index}")
+        nodes.append(node)
+    return nodes
+
+
+class _FakeCostModel:
+    """1 GB/s each way on disk and link; recomputing any value costs ``recompute_s``."""
+
+    def __init__(self, device: str, recompute_s: float):
+        self.profile = type("Profile", (), {"device": device})()
+        self.recompute_s = recompute_s
+
+    def node_seconds(self, node):
+        return self.recompute_s
+
+    def transfer_seconds(self, step, nbytes):
+        return nbytes / 1e9
+
+
+def test_auto_prices_offload_by_the_transfer_time_compute_cannot_hide():
+    """The "auto" cost model: an offload costs what its transfers add beyond the compute they overlap
+    (on CUDA: copies and disk both hide; on a CPU device the staging copies use the compute cores)."""
+    from zinf_compiler.recompute import choose_per_tensor
+
+    def choices(device, recompute_s, forward_seconds, sizes=(8, 8, 8, 8)):
+        decisions = choose_per_tensor(_saved_values(list(sizes)), 0, _FakeCostModel(device, recompute_s), "nvme",
+                                      0, forward_seconds)
+        return [decision["choice"] for decision in decisions], decisions
+
+    # A long forward hides every transfer on a GPU: offload costs nothing, however cheap recomputing is.
+    chosen, decisions = choices("cuda", 1e-4, forward_seconds=1.0)
+    assert chosen == ["offload"] * 4 and all(d["offload_ms"] == 0 for d in decisions), decisions
+    # No compute to hide behind: 8 MiB out and back over 1 GB/s links and disk (4 channels, ~33.5 ms) is
+    # dearer than a 20 ms recompute, cheaper than a 50 ms one.
+    assert choices("cuda", 0.020, forward_seconds=0.0)[0] == ["recompute"] * 4
+    assert choices("cuda", 0.050, forward_seconds=0.0)[0] == ["offload"] * 4
+    # A window that hides two values' transfers (a forward of 20 ms, a backward of 40 ms): a third would
+    # push the forward's copy and write past it (~10.4 ms exposed), more than its 5 ms recompute.
+    assert choices("cuda", 0.005, forward_seconds=0.020)[0] == ["offload", "offload", "recompute", "recompute"]
+    # A CPU device: the staging copies (2 x 8.4 ms) are never hidden, so a 5 ms recompute wins even in a
+    # long forward, and a 30 ms one loses.
+    assert choices("cpu", 0.005, forward_seconds=1.0)[0] == ["recompute"] * 4
+    assert choices("cpu", 0.030, forward_seconds=1.0)[0] == ["offload"] * 4
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.1])
+def test_auto_with_offload_keeps_the_device_under_its_budget(budget, tmp_path):
+    """``auto`` with offload: whatever the cost model chose and whatever else the partitioner saved, the
+    saved-activation bytes left on the device (memory_report between forward and backward) fit the
+    budget the plan computed, and something was recomputed or offloaded to get there."""
+    dumps = tmp_path / "dumps"
+    report, _, _ = _train_step_report({"activation_checkpointing": "auto", "activation_memory_budget": budget,
+                                       "offload_activations": "cpu", "activation_offload_min_bytes": 0,
+                                       "dump_dir": str(dumps)})
+    header = _graph_folder(dumps).joinpath("forward.03_activations.py").read_text()
+    budget_bytes = int(re.search(r"'budget_bytes': (\d+)", header).group(1))
+    eager_bytes = int(re.search(r"'eager_saved_bytes': (\d+)", header).group(1))
+    assert budget_bytes == int(budget * eager_bytes)
+    assert 0 < report["device"]["activations"] <= budget_bytes, (report["device"], budget_bytes)
+    assert report["cpu"]["activations"] > 0

@@ -101,6 +101,8 @@ def option_sets(draw, nvme_path: str) -> dict:
     options = {"stage": stage, "lower": "eager", "nvme_path": nvme_path}
     if stage >= 1:
         options["offload_optimizer"] = draw(st.sampled_from(["none", "cpu", "nvme"]))
+        if options["offload_optimizer"] == "nvme":
+            options["nvme_grad_ram_bytes"] = draw(st.sampled_from([0, 2048, 1 << 30]))  # none, some, all in RAM
     if stage == 3:
         options["offload_param"] = draw(st.sampled_from(["none", "cpu", "nvme"]))
         if draw(st.booleans()):

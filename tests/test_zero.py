@@ -56,7 +56,9 @@ OFFLOAD_CONFIGS = [
                                  ("cpu", "cpu"), ("nvme", "nvme"))
 ] + [{"stage": 2, "offload_optimizer": "nvme"}, {"stage": 1, "offload_optimizer": "cpu"},
       # One unit per parameter on every fetch step (nc, cg, gather), as before buckets.
-      {"stage": 3, "offload_param": "nvme", "offload_optimizer": "cpu", "bucket_bytes": 0}]
+      {"stage": 3, "offload_param": "nvme", "offload_optimizer": "cpu", "bucket_bytes": 0},
+      # Part of the gradients in RAM (the first parameters adopted, up to 24 KiB), the rest in swap files.
+      {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_grad_ram_bytes": 24 << 10}]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -73,6 +75,10 @@ def test_offloaded_training_matches_eager(world):
                 report[other]["params"] == 0 for other in ("device", "cpu", "nvme") if other != tier), report
         if config.get("offload_optimizer") == "nvme":
             assert report["nvme"]["optimizer"] > 0 and report["device"]["optimizer"] == 0, report
+            in_ram = config.get("nvme_grad_ram_bytes", 0)
+            assert 0 < report["nvme"]["grads"] and (0 < report["cpu"]["grads"] <= in_ram if in_ram
+                                                    else report["cpu"]["grads"] == 0), report
+            assert config_result["held"]["grads"] == report["cpu"]["grads"], (config_result["held"], report)
 
 
 def _check_collective_counts(results, world):

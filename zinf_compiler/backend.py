@@ -130,7 +130,7 @@ def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_row
         param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
         param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
         opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
-        bucket_bytes=options.bucket_bytes,
+        bucket_bytes=options.bucket_bytes, grad_ram_bytes=options.nvme_grad_ram_bytes,
     )
 
 

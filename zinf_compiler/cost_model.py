@@ -20,6 +20,14 @@ nbytes)`` for the steps ``nc``, ``cg``, ``gg`` and ``rs``.  The schedule pass
 uses it only for the estimates it prints (the schedule itself depends on the
 graph alone, so it is deterministic); the dumps print the profile.
 
+At world size > 1 every rank ends with the same profile: the rates are
+averaged over ranks and the free device memory is the smallest (at the
+first compile; later ones re-read their own free memory without a
+collective, as a recompile may happen on one rank alone).  Decisions
+taken from it (``auto`` checkpointing picks recompute or offload per tensor,
+the live-bytes cap) then give every rank the same graphs, so their
+collectives pair up.
+
 ``ZINF_COST_PROFILE=nominal`` skips the probes and uses fixed nominal rates
 (tests that only need a deterministic table use this too).
 """
@@ -91,6 +99,7 @@ def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | N
     with _cache_lock:
         cached = _cache.get(key)
     if cached is not None:
+        # No collective here: a later compile may happen on one rank alone (a guard that failed there).
         return dataclasses.replace(cached, free_device_bytes=_free_device_bytes(device))
     started = time.perf_counter()
     disk_read = disk_write = None
@@ -105,9 +114,10 @@ def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | N
         disk_read=disk_read,
         disk_write=disk_write,
         collective=_probe_collective(device) if world_size > 1 else None,
-        free_device_bytes=_free_device_bytes(device),
+        free_device_bytes=_agreed_free_bytes(device, world_size),
         probe_seconds=time.perf_counter() - started,
     )
+    profile = _agreed_rates(profile, device, world_size)
     with _cache_lock:
         _cache[key] = profile
     return profile
@@ -190,6 +200,40 @@ def _probe_collective(device: torch.device) -> float | None:
     gathered = torch.empty(shard.numel() * world, device=device)
     seconds = _timed(lambda: dist.all_gather_into_tensor(gathered, shard), device, repeats=2)
     return gathered.numel() * 4 / seconds
+
+
+_RATES = ("matmul_flops", "memory_bandwidth", "host_to_device", "disk_read", "disk_write", "collective")
+
+
+def _group(world_size: int):
+    import torch.distributed as dist
+
+    return dist if world_size > 1 and dist.is_available() and dist.is_initialized() else None
+
+
+def _agreed_rates(profile: "MachineProfile", device: torch.device, world_size: int) -> "MachineProfile":
+    """Every rank's rates averaged over ranks (a collective), so every rank decides alike."""
+    dist = _group(world_size)
+    if dist is None:
+        return profile
+    rates = [getattr(profile, name) for name in _RATES]
+    packed = torch.tensor([-1.0 if rate is None else float(rate) for rate in rates], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(packed)
+    averaged = (packed / dist.get_world_size()).tolist()
+    return dataclasses.replace(profile, **{name: None if rate is None else averaged[index]
+                                           for index, (name, rate) in enumerate(zip(_RATES, rates))})
+
+
+def _agreed_free_bytes(device: torch.device, world_size: int) -> int | None:
+    """The free device memory of the rank with the least (a collective at world size > 1)."""
+    free = _free_device_bytes(device)
+    dist = _group(world_size)
+    if dist is None or free is None:
+        return free
+    smallest = torch.tensor([free], dtype=torch.int64, device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return int(smallest.item())
 
 
 def _free_device_bytes(device: torch.device) -> int | None:

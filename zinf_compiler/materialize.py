@@ -143,7 +143,8 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
             record = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
                                  param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
                                  opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed),
-                                 read_local=read_local, bucket_bytes=parsed.bucket_bytes)
+                                 read_local=read_local, bucket_bytes=parsed.bucket_bytes,
+                                 grad_ram_bytes=parsed.nvme_grad_ram_bytes)
             STORE.release_full_storage([record])
             done += real.numel()
         if ready:

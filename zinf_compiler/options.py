@@ -178,6 +178,10 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("aio_block_size", 1024**2, parse_bytes, "NVMe request size"),
     OptionSpec("aio_queue_depth", 8, _int_at_least(1), "NVMe requests in flight"),
     OptionSpec("aio_threads", 4, _int_at_least(1), "NVMe worker threads"),
+    OptionSpec("nvme_grad_ram_bytes", 0, parse_bytes,
+               "with offload_optimizer='nvme': reduced gradients kept in CPU memory, up to this many bytes per "
+               "process (4 per parameter), instead of swap files; saves a 4-byte write and read per parameter "
+               "each step"),
     OptionSpec("nvme_copies", 2, _choice(2, 1),
                "copies of each swap file: 2 keeps the last good step through a failed write, 1 halves the disk"),
     OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
@@ -225,6 +229,7 @@ class ZinfOptions:
     aio_block_size: int
     aio_queue_depth: int
     aio_threads: int
+    nvme_grad_ram_bytes: int
     nvme_copies: int
     pinned_bytes: int | str
     collective_timeout: int

@@ -28,8 +28,8 @@ Policies (option ``activation_checkpointing``):
   leave the device until what stays fits the budget; each is recomputed
   (``MUST_RECOMPUTE``) or saved and offloaded (``MUST_SAVE`` plus
   ``meta["zinf_offload"]``, read by the ``activations`` pass), whichever
-  the cost model estimates cheaper: its recompute time against its transfer
-  time out and back.
+  the cost model estimates cheaper: its recompute time against the step
+  time its transfers would add, those that compute cannot hide.
 
 Stage 3 needs nothing here: parameters enter the joint graph as primals
 (storage-less at run time) and the partition pass inserts gathers into the
@@ -134,19 +134,72 @@ def budget_fraction(budget: float | int, eager_bytes: int) -> float:
     return min(1.0, budget / eager_bytes) if eager_bytes else 1.0
 
 
+class _ExposedTransfers:
+    """The step time offloads add: what their transfers cannot hide behind compute.
+
+    An offload's transfers run beside compute: the copy off the device and
+    the NVMe write during forward, the read and the copy back during
+    backward (prefetched by the schedule).  Each channel (the disk's write
+    and read side, the host-device link each way) hides up to the compute
+    time of its phase; past that the step waits for it.  On a CPU device the
+    copies into and out of staging are memcpys on the cores that compute, so
+    they are never hidden.  Recomputing, by contrast, always adds its
+    compute to backward.
+    """
+
+    BACKWARD_PER_FORWARD = 2.0  # backward's compute, in forwards: the window reads hide behind
+
+    def __init__(self, cost_model, tier: str, forward_seconds: float):
+        self.cost_model = cost_model
+        on_cpu = getattr(getattr(cost_model, "profile", None), "device", "cpu") == "cpu"
+        backward_seconds = self.BACKWARD_PER_FORWARD * forward_seconds
+        # channel -> (transfer step, window it hides behind; None: never hidden)
+        self.channels = {"copy out": ("cg", None if on_cpu else forward_seconds),
+                         "copy back": ("cg", None if on_cpu else backward_seconds)}
+        if tier == "nvme":
+            self.channels.update({"write": ("write", forward_seconds), "read": ("nc", backward_seconds)})
+        self.used = {channel: 0.0 for channel in self.channels}
+
+    def _added(self, nbytes: int) -> dict[str, float]:
+        added = {}
+        for channel, (step, window) in self.channels.items():
+            seconds = self.cost_model.transfer_seconds(step, nbytes)
+            if window is None:
+                added[channel] = seconds
+            else:
+                used = self.used[channel]
+                added[channel] = max(0.0, used + seconds - window) - max(0.0, used - window)
+        return added
+
+    def seconds(self, nbytes: int) -> float:
+        """The step time offloading ``nbytes`` more would add."""
+        return sum(self._added(nbytes).values())
+
+    def take(self, nbytes: int) -> None:
+        for channel, (step, _) in self.channels.items():
+            self.used[channel] += self.cost_model.transfer_seconds(step, nbytes)
+
+
 def choose_per_tensor(saved: list[torch.fx.Node], budget_bytes: int, cost_model, tier: str,
-                      min_bytes: int) -> list[dict[str, Any]]:
-    """``"auto"`` with offload: recompute or offload the largest saved values until the rest fits the budget."""
+                      min_bytes: int, forward_seconds: float = 0.0) -> list[dict[str, Any]]:
+    """``"auto"`` with offload: recompute or offload the largest saved values until the rest fits the budget.
+
+    A value is recomputed when its compute costs less than the step time its
+    offload would add (:class:`_ExposedTransfers`: transfers hide behind
+    ``forward_seconds`` of forward compute and twice that of backward).
+    """
     decisions = []
     remaining = sum(_nbytes(node) for node in saved)
+    exposed = _ExposedTransfers(cost_model, tier, forward_seconds)
     for node in sorted(saved, key=_nbytes, reverse=True):
         nbytes = _nbytes(node)
         if remaining <= budget_bytes or nbytes < min_bytes:
             break
         recompute_s = cost_model.node_seconds(node)
-        out, back = ("write", "nc") if tier == "nvme" else ("cg", "cg")
-        offload_s = cost_model.transfer_seconds(out, nbytes) + cost_model.transfer_seconds(back, nbytes)
-        choice = "recompute" if recompute_s <= offload_s else "offload"
+        offload_s = exposed.seconds(nbytes)
+        choice = "recompute" if recompute_s < offload_s else "offload"
+        if choice == "offload":
+            exposed.take(nbytes)
         # Backward often reads a view of the value (a reshape before a matmul): the partitioner
         # saves whichever node backward reads, so the choice holds for the value's views too.
         for tagged in [node, *_views_of(node)]:
@@ -180,8 +233,11 @@ def apply_policy(graph: torch.fx.Graph, captured: CapturedGraph) -> None:
         else:
             budget_bytes = int(fraction * eager_bytes)
             plan["budget_bytes"] = budget_bytes
+            forward_seconds = sum(captured.cost_model.node_seconds(node) for node in forward_nodes(graph))
+            plan["forward_ms"] = forward_seconds * 1e3
             plan["decisions"] = choose_per_tensor(saved, budget_bytes, captured.cost_model,
-                                                  options.offload_activations, options.activation_offload_min_bytes)
+                                                  options.offload_activations, options.activation_offload_min_bytes,
+                                                  forward_seconds)
     captured.activation_plan = plan
 
 
