@@ -137,14 +137,16 @@ def budget_fraction(budget: float | int, eager_bytes: int) -> float:
 class _ExposedTransfers:
     """The step time offloads add: what their transfers cannot hide behind compute.
 
-    An offload's transfers run beside compute: the copy off the device and
-    the NVMe write during forward, the read and the copy back during
-    backward (prefetched by the schedule).  Each channel (the disk's write
-    and read side, the host-device link each way) hides up to the compute
-    time of its phase; past that the step waits for it.  On a CPU device the
-    copies into and out of staging are memcpys on the cores that compute, so
-    they are never hidden.  Recomputing, by contrast, always adds its
-    compute to backward.
+    On an accelerator an offload's transfers run beside compute: the copy
+    off the device and the NVMe write during forward, the read and the copy
+    back during backward (prefetched by the schedule).  Each channel (the
+    disk's write and read side, the host-device link each way) hides up to
+    the compute time of its phase; past that the step waits for it.  On a
+    CPU device nothing hides: the staging copies, the checksums and the I/O
+    threads run on the cores that compute (measured with
+    ``benchmarks/activations.py`` on 2 cores: an NVMe offload cost more step
+    time than its disk time alone).  Recomputing always adds its compute to
+    backward.
     """
 
     BACKWARD_PER_FORWARD = 2.0  # backward's compute, in forwards: the window reads hide behind
@@ -157,7 +159,8 @@ class _ExposedTransfers:
         self.channels = {"copy out": ("cg", None if on_cpu else forward_seconds),
                          "copy back": ("cg", None if on_cpu else backward_seconds)}
         if tier == "nvme":
-            self.channels.update({"write": ("write", forward_seconds), "read": ("nc", backward_seconds)})
+            self.channels.update({"write": ("write", None if on_cpu else forward_seconds),
+                                  "read": ("nc", None if on_cpu else backward_seconds)})
         self.used = {channel: 0.0 for channel in self.channels}
 
     def _added(self, nbytes: int) -> dict[str, float]:
