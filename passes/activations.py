@@ -154,14 +154,14 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
             continue
         chosen.append((index, node, row))
     plan = ctx.captured.activation_plan or {}
-    if auto and "budget_bytes" in plan:
+    if auto and "enforced_bytes" in plan:
         # The policy priced the values eager autograd would save; the partitioner may save
         # others (it cuts where it likes).  Past the budget, those leave too, largest first:
         # recomputing them is no longer an option after the cut.
         leaving = {id(row) for _, _, row in chosen}
         on_device = sum(row["bytes"] or 0 for row in rows if row["kind"] == "activation" and id(row) not in leaving)
         for index, node, row in sorted(kept_by_policy, key=lambda item: item[2]["bytes"], reverse=True):
-            if on_device <= plan["budget_bytes"]:
+            if on_device <= plan["enforced_bytes"]:
                 break
             on_device -= row["bytes"]
             del row["kept_because"]
@@ -228,7 +228,8 @@ def describe(ctx: GraphContext) -> list[str]:
         lines.append(f"activations: checkpointing {summary}")
         for decision in plan.get("decisions", []):
             lines.append(f"  auto: {decision['node']} {decision['bytes']:,} bytes -> {decision['choice']} "
-                         f"(recompute {decision['recompute_ms']:.3f} ms, offload {decision['offload_ms']:.3f} ms not hidden by compute)")
+                         f"(recompute {decision['recompute_ms']:.3f} ms, offload {decision['offload_ms']:.3f} ms "
+                         "not hidden by compute)")
     if "note" in facts:
         lines.append(f"activations: {facts['note']}")
     if "saved" in facts:

@@ -257,18 +257,14 @@ def test_auto_prices_offload_by_the_transfer_time_compute_cannot_hide():
     assert choices("cpu", 0.050, forward_seconds=1.0)[0] == ["offload"] * 4
 
 
-@pytest.mark.parametrize("budget", [0.3, 0.1])
-def test_auto_with_offload_keeps_the_device_under_its_budget(budget, tmp_path):
-    """``auto`` with offload: whatever the cost model chose and whatever else the partitioner saved, the
-    saved-activation bytes left on the device (memory_report between forward and backward) fit the
-    budget the plan computed, and something was recomputed or offloaded to get there."""
-    dumps = tmp_path / "dumps"
+@pytest.mark.parametrize("budget", [256 << 10, 64 << 10])
+def test_auto_with_offload_keeps_the_device_under_a_byte_budget(budget, tmp_path):
+    """``auto`` with offload and a byte budget: whatever the cost model chose and whatever else the
+    partitioner saved, the saved-activation bytes left on the device (memory_report between forward and
+    backward) fit the budget, and the rest was offloaded."""
     report, _, _ = _train_step_report({"activation_checkpointing": "auto", "activation_memory_budget": budget,
-                                       "offload_activations": "cpu", "activation_offload_min_bytes": 0,
-                                       "dump_dir": str(dumps)})
-    header = _graph_folder(dumps).joinpath("forward.03_activations.py").read_text()
-    budget_bytes = int(re.search(r"'budget_bytes': (\d+)", header).group(1))
-    eager_bytes = int(re.search(r"'eager_saved_bytes': (\d+)", header).group(1))
-    assert budget_bytes == int(budget * eager_bytes)
-    assert 0 < report["device"]["activations"] <= budget_bytes, (report["device"], budget_bytes)
+                                       "offload_activations": "cpu", "activation_offload_min_bytes": 0})
+    plain, _, _ = _train_step_report({})
+    assert plain["device"]["activations"] > 4 * budget  # the budget binds
+    assert 0 < report["device"]["activations"] <= budget, (report["device"], budget)
     assert report["cpu"]["activations"] > 0

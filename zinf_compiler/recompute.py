@@ -25,11 +25,16 @@ Policies (option ``activation_checkpointing``):
 * ``"auto"`` with ``offload_activations``: PyTorch's budget machinery only
   knows "save or recompute", not a third place to keep a value, so zinf
   chooses per tensor: the values eager autograd would save, largest first,
-  leave the device until what stays fits the budget; each is recomputed
-  (``MUST_RECOMPUTE``) or saved and offloaded (``MUST_SAVE`` plus
-  ``meta["zinf_offload"]``, read by the ``activations`` pass), whichever
-  the cost model estimates cheaper: its recompute time against the step
-  time its transfers would add, those that compute cannot hide.
+  leave the device until what stays fits the budget; each is offloaded
+  (``MUST_SAVE`` plus ``meta["zinf_offload"]``, read by the ``activations``
+  pass) where the cost model finds that cheaper than recomputing it (its
+  recompute time against the step time its transfers would add, those that
+  compute cannot hide).  What to recompute is left to PyTorch's knapsack,
+  whose budget excludes the ``MUST_SAVE`` values, given the budget plus
+  the offloaded bytes (tagging the chosen values ``MUST_RECOMPUTE``
+  instead made the min-cut save their inputs: more bytes than the knapsack
+  keeps).  With a byte budget, the ``activations`` pass then offloads
+  whatever the cut still keeps past it.
 
 Stage 3 needs nothing here: parameters enter the joint graph as primals
 (storage-less at run time) and the partition pass inserts gathers into the
@@ -205,12 +210,10 @@ def choose_per_tensor(saved: list[torch.fx.Node], budget_bytes: int, cost_model,
             exposed.take(nbytes)
         # Backward often reads a view of the value (a reshape before a matmul): the partitioner
         # saves whichever node backward reads, so the choice holds for the value's views too.
-        for tagged in [node, *_views_of(node)]:
-            if choice == "recompute":
-                tagged.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            else:
-                tagged.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                tagged.meta["zinf_offload"] = True
+        # A value to recompute is left to the knapsack (see the module docstring).
+        for tagged in [node, *_views_of(node)] if choice == "offload" else []:
+            tagged.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            tagged.meta["zinf_offload"] = True
         remaining -= nbytes
         decisions.append({"node": node.name, "bytes": nbytes, "choice": choice,
                           "recompute_ms": recompute_s * 1e3, "offload_ms": offload_s * 1e3})
@@ -236,11 +239,20 @@ def apply_policy(graph: torch.fx.Graph, captured: CapturedGraph) -> None:
         else:
             budget_bytes = int(fraction * eager_bytes)
             plan["budget_bytes"] = budget_bytes
+            if isinstance(options.activation_memory_budget, int):
+                # A byte budget is a promise about bytes: the activations pass offloads what the
+                # cut keeps past it.  A fraction is PyTorch's (of what the default partition
+                # saves), the same for the knapsack with and without offload.
+                plan["enforced_bytes"] = options.activation_memory_budget
             forward_seconds = sum(captured.cost_model.node_seconds(node) for node in forward_nodes(graph))
             plan["forward_ms"] = forward_seconds * 1e3
             plan["decisions"] = choose_per_tensor(saved, budget_bytes, captured.cost_model,
                                                   options.offload_activations, options.activation_offload_min_bytes,
                                                   forward_seconds)
+            offloaded = sum(d["bytes"] for d in plan["decisions"] if d["choice"] == "offload")
+            knapsack = min(1.0, (budget_bytes + offloaded) / eager_bytes) if eager_bytes else 1.0
+            plan["knapsack_fraction"] = knapsack
+            next(iter(graph.nodes)).meta["memory_budget"] = float(knapsack)
     captured.activation_plan = plan
 
 
