@@ -56,16 +56,6 @@ def _static(value) -> bool:
     return all(isinstance(size, int) for size in (*value.shape, *value.stride()))
 
 
-def _dense(value) -> bool:
-    """Whether the value's elements fill its memory exactly once (any dim order): a copy restores it."""
-    expected = 1
-    for stride, size in sorted((stride, size) for size, stride in zip(value.shape, value.stride()) if size != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _overlapping(value) -> bool:
     """Whether two elements share memory (an expanded view): copying it out would multiply its bytes."""
     reach = 0
@@ -76,25 +66,17 @@ def _overlapping(value) -> bool:
     return False
 
 
-def _fetched_like(saved):
-    """The fake value a fetch returns: the saved value itself, or (not dense) a contiguous copy of it.
-
-    A view with gaps (q of a fused qkv projection) leaves as a contiguous
-    copy of its elements, not its base's span; backward is traced against
-    the contiguous value, so Inductor's code matches what the fetch returns.
-    """
-    if _dense(saved):
-        return saved
-    fake_mode = getattr(saved, "fake_mode", None)
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
-
-
 def _base(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose memory ``node`` views (itself when it is no view)."""
-    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and node.target.is_view and node.args and isinstance(node.args[0], torch.fx.Node)):
-        node = node.args[0]
+    """The node whose memory ``node`` views (itself when it is no view; through split's getitems too)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0]
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+            node = source
+        elif (node.target is operator.getitem and isinstance(source.target, torch._ops.OpOverload)
+              and source.target.is_view):
+            node = source  # one of split's / unbind's views
+        else:
+            break
     return node
 
 
@@ -120,6 +102,7 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
     visible = set(outputs[:first])
     auto = options.activation_checkpointing == "auto"
     chosen, kept_by_policy = [], []  # (output index, node, row) to offload / that auto chose to keep
+    activations = []  # (node, row) of every saved activation
     for index in range(first, len(outputs)):
         node = outputs[index]
         if not isinstance(node, torch.fx.Node):
@@ -135,6 +118,8 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         row = {"name": node.name, "bytes": _nbytes(value) if _static(value) else None, "kind": kind,
                "where": "device", "recompute_tag": str(node.meta.get("recompute", "")) or None}
         rows.append(row)
+        if kind == "activation":
+            activations.append((node, row))
         if tier == "none" or kind != "activation":
             continue
         why_not = None
@@ -159,11 +144,10 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         # others (it cuts where it likes).  Past the budget, those leave too, largest first:
         # recomputing them is no longer an option after the cut.
         leaving = {id(row) for _, _, row in chosen}
-        on_device = sum(row["bytes"] or 0 for row in rows if row["kind"] == "activation" and id(row) not in leaving)
         for index, node, row in sorted(kept_by_policy, key=lambda item: item[2]["bytes"], reverse=True):
-            if on_device <= plan["enforced_bytes"]:
+            if _held_bytes([node for node, row in activations if id(row) not in leaving]) <= plan["enforced_bytes"]:
                 break
-            on_device -= row["bytes"]
+            leaving.add(id(row))
             del row["kept_because"]
             row["offloaded_because"] = "over activation_memory_budget after the partition"
             chosen.append((index, node, row))
@@ -173,6 +157,16 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         ctx.captured.offloaded_activations[node.name] = node.meta["val"]
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     return {"saved": rows}
+
+
+def _held_bytes(kept: list[torch.fx.Node]) -> int:
+    """Device bytes the saved values ``kept`` hold alive: each distinct base's storage once.
+
+    A view keeps its whole base (q keeps the fused qkv output), which is what
+    the runtime's ledger counts too.
+    """
+    values = [_base(node).meta.get("val") for node in {_base(node) for node in kept}]
+    return sum(_nbytes(value) for value in values if isinstance(value, torch.Tensor) and _static(value))
 
 
 def _offload(graph: torch.fx.Graph, node: torch.fx.Node, tier: str, nvme_path: str) -> torch.fx.Node:
@@ -203,12 +197,13 @@ def _backward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         first_use = min(uses, key=order.__getitem__)
         with graph.inserting_before(first_use):
             token = call_op(graph, ops.ACT_FETCH_START, (placeholder,), name=f"fetch_{placeholder.name}")
-            fetched_value = _fetched_like(saved)
+            # The value comes back with its own strides, a view with gaps (q of a fused qkv)
+            # included: ops recomputed from it in backward propagate strides as in forward
+            # (SDPA's output follows q's layout; a later view relies on it).
             value = graph.call_function(ops.ACT_FETCH_WAIT, (token, placeholder, list(saved.shape),
-                                                             list(fetched_value.stride()), saved.dtype,
-                                                             saved.device))
+                                                             list(saved.stride()), saved.dtype, saved.device))
             value._rename(f"fetched_{placeholder.name}")
-            value.meta["val"] = fetched_value
+            value.meta["val"] = saved
         for use in uses:
             use.replace_input_with(placeholder, value)
         fetched.append({"name": placeholder.name, "bytes": _nbytes(saved)})

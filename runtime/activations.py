@@ -108,14 +108,6 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class ActivationStore:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
@@ -213,11 +205,10 @@ class ActivationStore:
             entry = _Entry(id=next(self._ids), name=name, tier=tier, shape=tuple(tensor.shape),
                            stride=tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device,
                            nbytes=tensor.numel() * tensor.element_size(), ledger=ledger)
+            # A view with gaps (q of a fused qkv) has no memory-order span of its own: its
+            # elements leave in logical order, and the fetch writes them back with the
+            # value's own strides (into a fresh tensor spanning them).
             flat = _memory_order(tensor)
-            if flat is None:
-                # A view with gaps (q of a fused qkv): its elements leave contiguous, and the
-                # fetch returns them contiguous (the activations pass traced backward so).
-                entry.stride = _contiguous_strides(entry.shape)
             if tier == "cpu":
                 entry.host = torch.empty(entry.shape, dtype=entry.dtype, pin_memory=tensor.is_cuda)
                 entry.copy = COPIER.copy(entry.host, tensor, "activations", f"offload {name}")
@@ -320,6 +311,8 @@ class ActivationStore:
             entry.fetch = (out, None, COPIER.copy(out, entry.host, "activations", f"fetch {entry.name}"))
             return
         flat = _memory_order(out)
+        if flat is None:  # a view with gaps: assembled contiguous, then copied into ``out``
+            flat = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         entry.fetch = (out, flat.view(torch.uint8) if flat.numel() else flat, None)
         with self._lock:
             for piece in entry.pieces:
@@ -364,6 +357,8 @@ class ActivationStore:
             piece.staging = None
             with self._lock:
                 self._read_pieces(entry, block=False)  # the freed buffer takes the next piece
+        if flat.numel() and flat.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            out.copy_(flat.view(entry.dtype).view(entry.shape))  # a view with gaps, assembled apart
         return out
 
     # --- lifetime -----------------------------------------------------------------------

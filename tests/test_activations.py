@@ -34,10 +34,15 @@ def test_activation_policies_and_tiers_match_eager_at_world_2():
     _check(results, 2)
 
 
-@pytest.mark.parametrize("policy,tier", [("block", "none"), ("block", "nvme"), ("auto", "cpu")])
-def test_dropout_masks_are_recomputed_exactly(policy, tier, tmp_path):
+@pytest.mark.parametrize("policy,tier,profile", [("block", "none", ""), ("block", "nvme", ""), ("auto", "none", ""),
+                                                 ("auto", "cpu", ""), ("auto", "cpu", "nominal")])
+def test_dropout_masks_are_recomputed_exactly(policy, tier, profile, tmp_path, monkeypatch):
     """Acceptance 1, dropout on: recomputation replays the forward's RNG state, so the masks (and every
-    loss and parameter) equal eager's, itself checkpointed with torch.utils.checkpoint."""
+    loss and parameter) equal eager's, itself checkpointed with torch.utils.checkpoint.  ``auto`` runs with
+    this machine's measured cost profile and with the nominal one (whose rates make it offload some values
+    and leave the rest to PyTorch's knapsack): the knapsack recomputing dropout without replaying its RNG
+    once gave wrong gradients here."""
+    monkeypatch.setenv("ZINF_COST_PROFILE", profile)
     options = {"stage": 3, "lower": "eager", "activation_checkpointing": policy, "offload_activations": tier,
                "activation_offload_min_bytes": 0, "activation_memory_budget": 0.2, "nvme_path": str(tmp_path),
                "dump_dir": str(tmp_path / "dumps")}
@@ -266,5 +271,5 @@ def test_auto_with_offload_keeps_the_device_under_a_byte_budget(budget, tmp_path
                                        "offload_activations": "cpu", "activation_offload_min_bytes": 0})
     plain, _, _ = _train_step_report({})
     assert plain["device"]["activations"] > 4 * budget  # the budget binds
-    assert 0 < report["device"]["activations"] <= budget, (report["device"], budget)
+    assert report["device"]["activations"] <= budget, (report["device"], budget)
     assert report["cpu"]["activations"] > 0

@@ -16,6 +16,8 @@ import warnings
 from typing import Any, Callable, Mapping
 
 ENV_PREFIX = "ZINF_"
+# ZINF_* variables that are not options but are read elsewhere (so not warned about).
+OTHER_ENV_NAMES = {"ZINF_COST_PROFILE"}  # cost_model.py: "nominal" skips the machine probes
 
 
 class ZinfOptionError(ValueError):
@@ -264,7 +266,8 @@ def parse_options(
         if name not in SPECS_BY_NAME:
             raise ZinfOptionError(f"unknown zinf option {name!r}; valid options are: {_valid_names()}")
     for key in environ:
-        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() not in SPECS_BY_NAME:
+        if (key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() not in SPECS_BY_NAME
+                and key not in OTHER_ENV_NAMES):
             # A warning, not an error: other tools may own ZINF_* names too.
             warnings.warn(
                 f"ignoring environment variable {key}: not a zinf option; zinf reads ZINF_<NAME> "

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import ops
 from .context import CapturedGraph
 
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -130,6 +131,37 @@ def tag_blocks(graph: torch.fx.Graph) -> dict[str, int]:
         node.meta["ac_graph_id"] = ids.setdefault(block, len(ids))
         counts[block] = counts.get(block, 0) + 1
     return counts
+
+
+def tag_random_ops(graph: torch.fx.Graph) -> int:
+    """``"auto"``: every random forward op (dropout's ``rand``) is ``MUST_RECOMPUTE``.  Returns how many.
+
+    PyTorch's knapsack may choose to recompute a random op it first banned
+    ("random op"), but replays the forward's RNG state
+    (``functionalize_rng_ops``) only when some op is tagged: without this a
+    dropout recomputed in backward drew a fresh mask, and gradients came out
+    wrong (found by ``test_dropout_masks_are_recomputed_exactly``).  Tagged,
+    the partitioner saves the RNG seed and offset and replays them; the mask
+    itself is never saved.
+    """
+    count = 0
+    for node in forward_nodes(graph):
+        if _draws_random_numbers(node):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
+            count += 1
+    return count
+
+
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
+    """A random op, or attention with dropout (attention is tagged seeded for its dropout_p alone)."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    if any(argument.name == "dropout_p" for argument in target._schema.arguments):
+        dropout = ops.arg(node, "dropout_p")
+        return not (isinstance(dropout, (int, float)) and dropout == 0)
+    return True
 
 
 def budget_fraction(budget: float | int, eager_bytes: int) -> float:
@@ -228,6 +260,7 @@ def apply_policy(graph: torch.fx.Graph, captured: CapturedGraph) -> None:
     if policy == "block":
         plan["blocks"] = tag_blocks(graph)
     elif policy == "auto":
+        plan["random_ops_replayed"] = tag_random_ops(graph)
         saved = saved_by_eager(forward_nodes(graph))
         eager_bytes = sum(_nbytes(node) for node in saved)
         fraction = budget_fraction(options.activation_memory_budget, eager_bytes)
