@@ -9,7 +9,9 @@ during backward), or in CPU memory for the parameters the option
 A step walks the sub-groups in order: the reads of group i+1 are in flight
 while group i is updated (torch's fused CPU Adam kernel) and the writes of
 group i-1 drain, so disk and compute overlap.  Updated low-precision
-parameters go back to the parameter tier through the store.
+parameters go back to the parameter tier through the store; an fp32 nvme
+parameter has no copy of its own to update (``record.params_in_master``: its
+reads go to the master's keys).
 """
 
 from __future__ import annotations
@@ -173,6 +175,8 @@ class NvmeAdam:
 
     def _publish_group(self, record, group: _Group, master: torch.Tensor, param_staging: dict) -> None:
         """Hand the updated slice to the parameter tier (nvme: the whole shard at once, to each of its swap keys)."""
+        if record.params_in_master:
+            return  # the master's write, in this transaction, is the parameter's
         if record.param_tier != "nvme":
             self._shards_updated.append((record, group))
             record.shard[group.start : group.stop].copy_(master)

@@ -57,7 +57,8 @@ class ParamRecord(ParamLayout):
     param_ref: "weakref.ref[torch.nn.Parameter]"
     param_id: int  # id() of the parameter, its key in the store
     # The resting shard in compute dtype: on the device or on the CPU; for the
-    # nvme tier an empty tensor (the data is in the swap file ``param.<uid>``).
+    # nvme tier an empty tensor (the data is in the swap file ``param.<uid>``,
+    # or in the master's files: see ParamLayout.params_in_master).
     shard: torch.Tensor
     # fp32 master of this rank's slice for device/cpu optimizer tiers (the
     # shard itself when they coincide); None for the nvme tier (swap files).
@@ -341,6 +342,11 @@ class ParamStore:
                 local = _local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
                                      tile_align)
             record.shard = local.new_empty(0, dtype=compute_dtype)
+            # Each master key must start on a block boundary to be read straight into the staging.
+            record.params_in_master = (param_tier == "nvme" and opt_tier == "nvme" and stage > 0
+                                       and compute_dtype == torch.float32 and tile_align == 1 and param.requires_grad
+                                       and all(start * 4 % ALIGNMENT == 0
+                                               for start, _ in sub_groups(record.local_numel)))
             grad_bytes = record.local_numel * 4
             if opt_tier == "nvme" and not exact and self._grad_ram_reserved + grad_bytes <= grad_ram_bytes:
                 record.grad_in_ram = True
@@ -361,7 +367,7 @@ class ParamStore:
     def _place_shard(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
         """Put this rank's slice, in compute dtype, on the parameter tier."""
         if record.param_tier == "nvme":
-            if record.owns_state:
+            if record.owns_state and not record.params_in_master:  # else _place_master writes it
                 for key, start, numel in record.swap_layout():
                     self._write_swap(record.swap, key, local_fp32[start : start + numel].to(record.compute_dtype))
             return
@@ -377,7 +383,8 @@ class ParamStore:
         if record.stage == 0 or not record.dtype.is_floating_point:
             return  # nothing to step (an integer parameter never has a gradient)
         if record.opt_tier == "nvme":
-            if record.owns_state and record.trainable:  # a frozen parameter is never stepped
+            # A frozen parameter is never stepped (params_in_master: the master is its only copy).
+            if record.owns_state and (record.trainable or record.params_in_master):
                 write_initial_master(self, record, local_fp32)
             return
         if record.param_tier == record.opt_tier and record.compute_dtype == torch.float32:
@@ -424,7 +431,7 @@ class ParamStore:
             raise ZinfStoreError(f"{record.name}: a local slice of {local.numel()} elements for a shard of "
                                  f"{record.local_numel}")
         if record.param_tier == "nvme":
-            if record.owns_state:
+            if record.owns_state and not record.params_in_master:  # else the master below is the shard
                 for key, start, numel in record.swap_layout():
                     self._write_swap(record.swap, key, local[start : start + numel].to(record.compute_dtype))
         else:
@@ -432,7 +439,7 @@ class ParamStore:
         if record.stage == 0 or not record.dtype.is_floating_point:
             return
         if record.opt_tier == "nvme":
-            if record.owns_state and record.trainable:
+            if record.owns_state and (record.trainable or record.params_in_master):
                 write_initial_master(self, record, local.to(torch.float32))
         elif record.master is not None and record.master is not record.shard:
             record.master.copy_(local)

@@ -32,6 +32,8 @@ import functools
 
 import torch
 
+from .nvme_adam import state_key, sub_groups
+
 ALIGNMENT = 4096  # O_DIRECT reads and the pinned pool's blocks (see aio.py, pinned.py)
 
 
@@ -68,6 +70,11 @@ class ParamLayout:
     # Elements each tile's local slice is padded to (nvme tier: 4096 bytes, so
     # every tile is its own O_DIRECT swap key and a tile fetch reads only it).
     tile_align: int = 1
+    # nvme parameter and optimizer tiers, fp32 shard, untiled: the shard is the
+    # fp32 master, so it has no swap file of its own and its reads and writes
+    # go to the master's keys (one copy on disk, no parameter write-back after
+    # each step).  Decided at adoption: the master exists from then on.
+    params_in_master: bool = False
 
     @property
     def numel(self) -> int:
@@ -142,7 +149,10 @@ class ParamLayout:
         return f"param.{self.uid}"
 
     def swap_layout(self) -> list[tuple[str, int, int]]:
-        """(swap key, first element, elements) of the nvme-tier shard: one key, or one per tile."""
+        """(swap key, first element, elements) of the nvme-tier shard: one key, one per tile, or the master's."""
+        if self.params_in_master:
+            return [(state_key("master", self.uid, index), start, stop - start)
+                    for index, (start, stop) in enumerate(sub_groups(self.local_numel))]
         if self.tile_rows is None or self.tile_align == 1:
             return [(self.param_key, 0, self.local_numel)]
         layout = []

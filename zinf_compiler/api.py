@@ -75,7 +75,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
             report[_memory_tier(record.opt_tier)]["grads"] += record.grad_shard.numel() * record.grad_shard.element_size()
         if record.grad_on_disk:
             report["nvme"]["grads"] += record.local_numel * 4
-        if record.stage > 0 and record.opt_tier == "nvme" and record.owns_state and record.trainable:
+        if (record.stage > 0 and record.opt_tier == "nvme" and record.owns_state and record.trainable
+                and not record.params_in_master):  # (then the master's files are the params counted above)
             report["nvme"]["optimizer"] += record.local_numel * 4  # the fp32 master's swap files
     ids = {id(p) for p in params}
     for opt in live_optimizers():

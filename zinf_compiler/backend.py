@@ -261,9 +261,13 @@ def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
         local_numel = -(-param.numel() // world) if options.partition == "allgather" else param.numel()
         STORE.plan_shards(local_numel)
         copies = options.nvme_copies
-        if options.offload_param == "nvme":
+        trained_on_nvme = options.offload_optimizer == "nvme" and param.requires_grad
+        # An fp32 parameter trained on nvme is read from its master's files (ParamLayout.params_in_master);
+        # a tiled one keeps files of its own, which this check does not foresee (a full disk still fails cleanly).
+        if options.offload_param == "nvme" and not (trained_on_nvme and options.param_dtype == "fp32"
+                                                    and param.is_floating_point()):
             needed += copies * local_numel * DTYPES[options.param_dtype].itemsize
-        if options.offload_optimizer == "nvme" and param.requires_grad:
+        if trained_on_nvme:
             needed += copies * 4 * local_numel * 4  # fp32 master, two moments and the gradient
     validate_folder(options.nvme_path, needed)
 
