@@ -901,8 +901,8 @@ def attempt(args, key: str, rung: tuple[int, int], workdir: str, deadline: float
 
 def disk_need(key: str, params: int, args) -> int:
     """Swap bytes an NVMe attempt will write (estimate, to refuse one that would fill the disk)."""
-    if key == "zinf_nvme":  # fp32 parameter, master, two moments, gradient; nvme_copies of each
-        return 20 * params * args.nvme_copies
+    if key == "zinf_nvme":  # fp32 master (the parameter is read from it), two moments, gradient; nvme_copies of each
+        return 16 * params * args.nvme_copies
     if key == "ds_nvme":  # fp32 parameters, master, two moments (gradients stay in RAM)
         return 16 * params
     return 0
