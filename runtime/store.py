@@ -72,6 +72,10 @@ class ParamRecord(ParamLayout):
     # nvme optimizer tier within the option nvme_grad_ram_bytes: the gradient
     # stays in ``grad_shard`` (CPU memory) and the step reads it from there.
     grad_in_ram: bool = False
+    # Stages 1-2 at world size 1, on the device in the parameter's own dtype: the
+    # shard is the parameter's storage itself, so the step updates the parameter
+    # in place and nothing is copied back (see ParamStore._shard_is_param).
+    shard_is_param: bool = False
     grad_sq_norm: float = 0.0
     grad_multiplier: float = 1.0
     swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
@@ -360,12 +364,18 @@ class ParamStore:
             record.full_storage_bytes = _nbytes(param)
             self._add_resting("device", record.full_storage_bytes,
                               ledger=record.ledger)  # until release_full_storage (stage 3)
+            record.shard_is_param = (stage in (1, 2) and world_size == 1 and partition == "allgather"
+                                     and tile_rows is None and param_tier == "device" and not exact
+                                     and compute_dtype == param.dtype and read_local is None)
             self._place_shard(record, local)
             self._place_master(record, local)
             return record
 
     def _place_shard(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
         """Put this rank's slice, in compute dtype, on the parameter tier."""
+        if record.shard_is_param:
+            record.shard = record.param.detach().view(-1)  # its bytes are the parameter's own
+            return
         if record.param_tier == "nvme":
             if record.owns_state and not record.params_in_master:  # else _place_master writes it
                 for key, start, numel in record.swap_layout():
@@ -523,7 +533,7 @@ class ParamStore:
             self._grad_ram_reserved -= record.local_numel * 4
         if record.full_storage_bytes:
             self._add_resting("device", -record.full_storage_bytes, ledger=record.ledger)
-        if record.param_tier != "nvme":
+        if record.param_tier != "nvme" and not record.shard_is_param:
             self._add_resting(_tier_memory(record.param_tier), -_nbytes(record.shard), ledger=record.ledger)
         if record.master is not None and record.master is not record.shard:
             self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.master), ledger=record.ledger)
@@ -993,13 +1003,23 @@ class ParamStore:
     def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""
         # Frozen parameters never change: nothing to rebuild, no collective to pay.
-        units = self._bucketed([r for r in records if r.stage in (1, 2) and r.trainable])
+        records = [r for r in records if r.stage in (1, 2) and r.trainable]
+        for record in records:
+            if self._shard_is_param(record):
+                record.synced_version = record.param._version  # the step's own in-place update
+        units = self._bucketed([r for r in records if not self._shard_is_param(r)])
         for unit in units:
             self.gather_start(unit)
         for unit in units:
             for piece, full in zip(unit.pieces, self.gather_wait(unit)):
                 piece.layout.param.data.copy_(full)
             self.release(unit)
+
+    @staticmethod
+    def _shard_is_param(record: ParamRecord) -> bool:
+        """Whether the shard still is the parameter's storage (``param.data = other`` separates them:
+        from then on the parameter is rebuilt from the shard after each step, as at world size > 1)."""
+        return record.shard_is_param and record.shard.data_ptr() == record.param.data_ptr()
 
     def sync_written_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1-2: carry in-place writes to a full parameter (``load_state_dict``, ``nn.init``,
@@ -1123,7 +1143,8 @@ class ParamStore:
             records = [r for r in (self.lookup(p) for p in params) if r is not None]
         params, grads, masters = [], [], []
         for record in records:
-            params.append(record.shard)
+            if not record.shard_is_param:
+                params.append(record.shard)
             if record.stage != 3:
                 params.append(record.param.data)
             if record.grad_shard is not None:

@@ -430,3 +430,35 @@ def test_model_zero_grad_clears_the_gradient_shards(stage, compiled_module):
         (compiled if compiled_module else model).zero_grad()
         assert abs(eager_loss.item() - zinf_loss.item()) <= 1e-5 * abs(eager_loss.item())
     assert all(not record.has_grad for record in map(STORE.lookup, model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_1_2_at_world_1_shard_is_the_parameter_and_user_writes_still_count(stage):
+    from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+
+    CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    # At world size 1 the shard of an fp32 parameter on the device is its own storage (no copies
+    # around the step).  What a user does to the parameter between steps must still train like eager:
+    # an in-place write (load_state_dict, p.mul_ under no_grad), and a swapped tensor (p.data = ...),
+    # after which zinf rebuilds the parameter from the shard after each step, as it did before.
+    torch.manual_seed(0)
+    # SGD: the key bias's gradient is rounding noise (softmax ignores it), which Adam would scale up to lr.
+    pair = Pair(GPT(CFG), {"stage": stage, "lower": "eager"}, momentum=0.9)
+    batches = synthetic_batches(CFG, 2, 6)
+    losses = [pair.step(*batches[0])]
+    records = [STORE.lookup(p) for p in pair.zinf_model.parameters()]
+    assert all(record.shard_is_param for record in records)
+    assert all(record.shard.data_ptr() == p.data_ptr() for record, p in zip(records, pair.zinf_model.parameters()))
+    report = zinf.memory_report(pair.compiled)
+    param_bytes = sum(p.numel() * 4 for p in pair.zinf_model.parameters())
+    assert report["device"]["params"] == param_bytes, report["device"]  # counted once, not twice
+    losses.append(pair.step(*batches[1]))
+    with torch.no_grad():
+        for model in (pair.eager, pair.zinf_model):
+            model.wpe.weight.mul_(0.5)
+    losses.append(pair.step(*batches[2]))
+    for model in (pair.eager, pair.zinf_model):
+        model.blocks[0].mlp.fc.weight.data = model.blocks[0].mlp.fc.weight.data.clone()
+    for batch in batches[3:]:
+        losses.append(pair.step(*batch))
+    pair.assert_equal(losses, f"stage {stage}")

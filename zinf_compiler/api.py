@@ -68,7 +68,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
         record = STORE.lookup(param)
         if record is None:
             continue
-        report[record.param_tier]["params"] += record.shard_bytes
+        if not record.shard_is_param:  # (else the parameter's own storage, counted above)
+            report[record.param_tier]["params"] += record.shard_bytes
         if record.master is not None and record.master is not record.shard:
             report[_memory_tier(record.opt_tier)]["optimizer"] += record.master.numel() * record.master.element_size()
         if record.grad_shard is not None:
