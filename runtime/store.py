@@ -72,10 +72,6 @@ class ParamRecord(ParamLayout):
     # nvme optimizer tier within the option nvme_grad_ram_bytes: the gradient
     # stays in ``grad_shard`` (CPU memory) and the step reads it from there.
     grad_in_ram: bool = False
-    # Stages 1-2 at world size 1, on the device in the parameter's own dtype: the
-    # shard is the parameter's storage itself, so the step updates the parameter
-    # in place and nothing is copied back (see ParamStore._shard_is_param).
-    shard_is_param: bool = False
     grad_sq_norm: float = 0.0
     grad_multiplier: float = 1.0
     swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers

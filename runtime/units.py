@@ -75,6 +75,10 @@ class ParamLayout:
     # go to the master's keys (one copy on disk, no parameter write-back after
     # each step).  Decided at adoption: the master exists from then on.
     params_in_master: bool = False
+    # Stages 1-2 at world size 1, on the device in the parameter's own dtype: the
+    # shard is the parameter's storage itself, so the step updates the parameter
+    # in place and nothing is copied back (see ParamStore._shard_is_param).
+    shard_is_param: bool = False
 
     @property
     def numel(self) -> int:

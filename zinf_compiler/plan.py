@@ -100,7 +100,8 @@ def param_bytes_per_tier(ctx: GraphContext) -> dict[str, int]:
         if layout is None:
             held["device"] += info.nbytes
             continue
-        held[layout.param_tier] += layout.shard_bytes
+        if not layout.shard_is_param:  # (else the full parameter below is its bytes)
+            held[layout.param_tier] += layout.shard_bytes
         if layout.stage < 3:
             held["device"] += info.nbytes
     return held
