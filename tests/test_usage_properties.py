@@ -4,7 +4,8 @@ The grammar covers what users do and examples miss: repeated blocks of one
 class, graph breaks at any place inside a block, weights shared between
 blocks, frozen parts, buffers (read and updated in forward), 1-3 instances of
 one class in one process, batch and sequence sizes that change between
-steps; options: stage 0-3, parameter and optimizer tiers, tiling, world size 1.
+steps; options: stage 0-3, parameter and optimizer tiers, tiling, activation
+checkpointing and activation tiers, world size 1.
 
 Examples per run: the ``ci`` profile (default) keeps CI bounded; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_usage_properties.py`` for more.
@@ -107,6 +108,12 @@ def option_sets(draw, nvme_path: str) -> dict:
         options["offload_param"] = draw(st.sampled_from(["none", "cpu", "nvme"]))
         if draw(st.booleans()):
             options.update(tile_threshold=256, tile_factor=2)  # every fc weight (512 bytes) in 2 tiles
+    options["activation_checkpointing"] = draw(st.sampled_from(["none", "block", "auto"]))
+    if options["activation_checkpointing"] == "auto":
+        options["activation_memory_budget"] = draw(st.sampled_from([0.05, 0.3, 1.0]))
+    options["offload_activations"] = draw(st.sampled_from(["none", "cpu", "nvme"]))
+    if options["offload_activations"] != "none":
+        options["activation_offload_min_bytes"] = 0  # the grammar's activations are all tiny
     return options
 
 
