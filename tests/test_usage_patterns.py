@@ -124,6 +124,58 @@ def test_a_torch_optimizer_on_sharded_gradients_is_refused(stage, optimizer):
         opt.step()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_clip_grad_norm_on_sharded_gradients_clips_them(stage):
+    # Before: torch.nn.utils.clip_grad_norm_ read param.grad (None at stages 2-3),
+    # returned 0 and clipped nothing, silently.
+    pair = Pair(seeded(mlp, 0), {"stage": stage, "lower": "eager"})
+    x = batches()[0]
+    norms = []
+    for model, compiled, opt in ((pair.eager, pair.eager, pair.eager_opt),
+                                 (pair.zinf_model, pair.compiled, pair.zinf_opt)):
+        compiled(x).pow(2).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01).item())
+        opt.step()
+    assert norms[0] > 0.01 and norms[1] == pytest.approx(norms[0], rel=1e-5)
+    pair.assert_equal([], f"stage {stage} after a clipped step")
+    # Some of the parameters only: which optimizer's norm is that? A clear error, not a guess.
+    pair.compiled(x).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="no zinf optimizer holds exactly the trainable parameters given"):
+        torch.nn.utils.clip_grad_norm_(pair.zinf_model[0].parameters(), 0.01)
+    with pytest.raises(RuntimeError, match="clip_grad_value_ cannot clip the gradient"):
+        torch.nn.utils.clip_grad_value_(pair.zinf_model.parameters(), 0.01)
+    # Models zinf does not shard keep torch's own functions.
+    pair.eager(x).pow(2).mean().backward()
+    torch.nn.utils.clip_grad_value_(pair.eager.parameters(), 1e-4)
+    assert max(p.grad.abs().max().item() for p in pair.eager.parameters()) <= 1e-4
+
+
+def test_clip_grad_norm_imported_by_name_before_zinf_sees_the_shards():
+    # The usual top-of-file import binds torch's function before zinf exists.
+    script = """
+from torch.nn.utils import clip_grad_norm_
+import copy, importlib, torch
+import zinf_compiler as zinf
+importlib.reload(zinf.optim)  # a second install must not guard its own guard
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+eager = copy.deepcopy(model)
+compiled = torch.compile(model, backend="zinf", options={"stage": 3, "lower": "eager"})
+opt = zinf.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+compiled(x).pow(2).mean().backward()
+eager(x).pow(2).mean().backward()
+print(clip_grad_norm_(model.parameters(), 0.01).item(), clip_grad_norm_(eager.parameters(), 0.01).item())
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    zinf_norm, eager_norm = map(float, out.stdout.split()[-2:])
+    assert eager_norm > 0.01 and zinf_norm == pytest.approx(eager_norm, rel=1e-5)
+
+
 def test_a_torch_optimizer_on_unsharded_parameters_still_works():
     # Stage 0 (and stage 1 on one rank) keep full gradients in param.grad: nothing to refuse.
     pair_model = seeded(mlp, 0)

@@ -14,13 +14,14 @@ Examples per run: the ``ci`` profile (default) keeps CI bounded; run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from usage import Pair, train_interleaved
+from usage import Pair, loss_of, train_interleaved
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -166,3 +167,79 @@ def _between_steps(pair: Pair, between: str, x: torch.Tensor) -> None:
                  if value.is_floating_point()}
         pair.eager.load_state_dict(state, strict=False)
         pair.zinf_model.load_state_dict(state, strict=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """How the training loop around the model is written."""
+
+    optimizer: str
+    optimizer_kwargs: tuple  # (name, value) pairs
+    head_lr_scale: float | None  # the head in its own param group at this share of the lr
+    micro_batches: int  # gradient accumulation: backward this many times per step
+    max_norm: float | None  # clip the gradient norm (small enough to clip)
+    set_to_none: bool  # zero_grad's argument
+    clip_with_torch: bool  # torch.nn.utils.clip_grad_norm_(model.parameters()), else the zinf optimizer's
+
+
+@st.composite
+def loop_specs(draw, offload_optimizer: str | None) -> LoopSpec:
+    # zinf streams only Adam and AdamW from NVMe; elsewhere any of its optimizers.
+    choices = ["Adam", "AdamW"] if offload_optimizer == "nvme" else ["SGD", "Adam", "AdamW"]
+    optimizer = draw(st.sampled_from(choices))
+    if optimizer == "SGD":
+        kwargs = draw(st.sampled_from([(), (("momentum", 0.9),),
+                                       (("momentum", 0.9), ("nesterov", True), ("weight_decay", 0.01))]))
+    else:
+        kwargs = (("eps", 1e-6), ("fused", True)) + draw(st.sampled_from([(), (("weight_decay", 0.05),)]))
+    return LoopSpec(optimizer, kwargs, draw(st.sampled_from([None, 0.1])), draw(st.integers(1, 2)),
+                    draw(st.sampled_from([None, 0.05])), draw(st.booleans()), draw(st.booleans()))
+
+
+def _head_apart(scale: float | None, lr: float):
+    if scale is None:
+        return None
+
+    def groups(model):
+        head = [p for name, p in model.named_parameters() if name.startswith("head.")]
+        body = [p for name, p in model.named_parameters() if not name.startswith("head.")]
+        return [{"params": body}, {"params": head, "lr": lr * scale}]
+    return groups
+
+
+def _loop_step(model, optimizer, batch_pieces, loop: LoopSpec, clip) -> float:
+    total = 0.0
+    for piece in batch_pieces:
+        loss = loss_of(model(piece)) / len(batch_pieces)
+        loss.backward()
+        total += loss.item()
+    if loop.max_norm is not None:
+        clip(loop.max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=loop.set_to_none)
+    return total
+
+
+@given(spec=model_specs(), data=st.data(), shapes=input_shapes())
+def test_drawn_training_loops_match_eager(spec, data, shapes, tmp_path_factory):
+    """Optimizers, param groups, accumulation, clipping and zero_grad as users write them."""
+    options = data.draw(option_sets(str(tmp_path_factory.mktemp("swap"))))
+    loop = data.draw(loop_specs(options.get("offload_optimizer")))
+    torch._dynamo.reset()
+    lr = 1e-2
+    torch.manual_seed(0)
+    pair = Pair(GrammarModel(spec), options, lr=lr, optimizer=loop.optimizer,
+                param_groups=_head_apart(loop.head_lr_scale, lr), **dict(loop.optimizer_kwargs))
+    generator = torch.Generator().manual_seed(len(shapes))
+    batches = [torch.randn(rows * loop.micro_batches, length, WIDTH, generator=generator) for rows, length in shapes]
+    losses = []
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for batch in batches + batches[:1]:
+            pieces = batch.chunk(loop.micro_batches)
+            eager_loss = _loop_step(pair.eager, pair.eager_opt, pieces, loop,
+                                    lambda norm: torch.nn.utils.clip_grad_norm_(pair.eager.parameters(), norm))
+            zinf_clip = (functools.partial(torch.nn.utils.clip_grad_norm_, pair.zinf_model.parameters())
+                         if loop.clip_with_torch else pair.zinf_opt.clip_grad_norm_)
+            zinf_loss = _loop_step(pair.compiled, pair.zinf_opt, pieces, loop, zinf_clip)
+            losses.append((eager_loss, zinf_loss))
+    pair.assert_equal(losses, f"{spec}, {options}, {loop}, shapes {shapes}")

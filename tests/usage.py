@@ -33,13 +33,15 @@ class Pair:
     """One eager model and its zinf copy, each with its own optimizer."""
 
     def __init__(self, model: torch.nn.Module, options: dict, lr: float = 0.05, compile_fn=None,
-                 optimizer: str = "SGD", **optimizer_kwargs):
+                 optimizer: str = "SGD", param_groups: Callable[[torch.nn.Module], list] | None = None,
+                 **optimizer_kwargs):
         self.eager = model
         self.zinf_model = copy.deepcopy(model)
         compile_fn = compile_fn or (lambda m: torch.compile(m, backend="zinf", options=options))
         self.compiled = compile_fn(self.zinf_model)
-        self.eager_opt = getattr(torch.optim, optimizer)(self.eager.parameters(), lr=lr, **optimizer_kwargs)
-        self.zinf_opt = getattr(zinf.optim, optimizer)(self.zinf_model.parameters(), lr=lr, **optimizer_kwargs)
+        param_groups = param_groups or (lambda m: list(m.parameters()))
+        self.eager_opt = getattr(torch.optim, optimizer)(param_groups(self.eager), lr=lr, **optimizer_kwargs)
+        self.zinf_opt = getattr(zinf.optim, optimizer)(param_groups(self.zinf_model), lr=lr, **optimizer_kwargs)
 
     def step(self, *inputs) -> tuple[float, float]:
         eager_loss = loss_of(self.eager(*inputs))

@@ -2,7 +2,8 @@
 
 For each configuration: train the GPT under zinf on this rank's slice of the
 batch; rank 0 also trains eager PyTorch on the whole batch and compares.
-Clipping and an LR schedule are on in every configuration.
+Clipping (through zinf's optimizer and through torch.nn.utils, on alternate
+steps) and an LR schedule are on in every configuration.
 """
 
 import copy
@@ -47,7 +48,12 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
         mine = slice(rank * batch, (rank + 1) * batch)
         loss = compiled(idx[mine], targets[mine])
         loss.backward()
-        norms.append(opt.clip_grad_norm_(MAX_NORM).item())
+        # Both ways users clip: zinf's optimizer, and torch's function on the model's
+        # parameters (which zinf hands to that optimizer; param.grad alone misses the shards).
+        if step % 2:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        else:
+            norms.append(opt.clip_grad_norm_(MAX_NORM).item())
         opt.step()
         # Accounting while gradients and optimizer state are both alive,
         # next to the storage the store and the optimizer actually hold.

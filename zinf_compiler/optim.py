@@ -501,6 +501,90 @@ def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -
 register_optimizer_step_pre_hook(_refuse_foreign_optimizers)
 
 
+def _grad_outside_param(record: ParamRecord | None) -> bool:
+    """Whether ``param.grad`` misses this parameter's (averaged) gradient: it lives in zinf's shards
+    (stages 2-3), or stage 1 with several ranks has not averaged it yet."""
+    return record is not None and (record.stage >= 2 or (record.stage == 1 and record.world_size > 1))
+
+
+# ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` reads ``param.grad``; at
+# stages 2-3 that is None, so it would return 0 and clip nothing, silently.  zinf
+# puts a guard in front of torch's two clipping functions: it hands zinf's
+# parameters to the zinf optimizer holding them and passes every other call to
+# torch's own code (see _install_clip_guard for how).
+_TORCH_CLIP: dict[str, Callable] = {}  # name -> torch's function body, which the guards call
+
+
+def _zinf_params_in(parameters) -> tuple[list[torch.Tensor], list[ParamRecord]]:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if not STORE.records():
+        return params, []
+    return params, [r for r in map(STORE.lookup, params) if _grad_outside_param(r)]
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also sees zinf's gradient shards (same arguments)."""
+    params, records = _zinf_params_in(parameters)
+    if not records:
+        return _TORCH_CLIP["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
+    trainable = {id(p) for p in params if p.requires_grad}
+    for optimizer in live_optimizers():
+        held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        if held == trainable:
+            total_norm = optimizer.clip_grad_norm_(max_norm, norm_type)
+            if error_if_nonfinite and not torch.isfinite(total_norm):
+                raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                                   f"non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+            return total_norm
+    raise RuntimeError(
+        f"torch.nn.utils.clip_grad_norm_ cannot see the gradient of parameter {records[0].name}: at zinf stage "
+        f"{records[0].stage} it lives in zinf's shards (param.grad is not the averaged gradient), and no zinf "
+        f"optimizer holds exactly the trainable parameters given. Pass the same parameters as to your "
+        f"zinf_compiler.optim optimizer (e.g. model.parameters()), or call optimizer.clip_grad_norm_(max_norm)")
+
+
+def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grad_value_``, refused for zinf-sharded gradients (it would clip nothing)."""
+    params, records = _zinf_params_in(parameters)
+    if records:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grad_value_ cannot clip the gradient of parameter {records[0].name}: at zinf "
+            f"stage {records[0].stage} it lives in zinf's shards, so it would clip nothing. zinf clips by norm: "
+            f"call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or optimizer.clip_grad_norm_")
+    return _TORCH_CLIP["clip_grad_value_"](params, clip_value, foreach)
+
+
+def _install_clip_guard(name: str, guard: Callable) -> None:
+    """Route torch's ``torch.nn.utils.<name>`` through ``guard``, for every name it is known by.
+
+    Loops often import it by name (``from torch.nn.utils import clip_grad_norm_``)
+    before zinf is imported; replacing the module attribute would miss those.
+    torch's function is a ``no_grad`` wrapper calling its body through the
+    closure cell ``func``: the guard takes the body's place there, so every
+    reference to the wrapper reaches it.  A torch without that cell gets its
+    module attributes replaced instead (the by-name imports then keep torch's).
+    """
+    torch_fn = getattr(torch.nn.utils.clip_grad, name)
+    cells = dict(zip(torch_fn.__code__.co_freevars, torch_fn.__closure__ or ()))
+    body_cell = cells.get("func")
+    if body_cell is not None and callable(body_cell.cell_contents):
+        # (``_zinf_replaces``: a reloaded zinf must not guard its own guard.)
+        _TORCH_CLIP[name] = getattr(body_cell.cell_contents, "_zinf_replaces", body_cell.cell_contents)
+        guard._zinf_replaces = _TORCH_CLIP[name]
+        body_cell.cell_contents = guard
+        return
+    _TORCH_CLIP[name] = getattr(torch_fn, "_zinf_replaces", torch_fn)
+    guarded = functools.wraps(_TORCH_CLIP[name])(lambda *args, **kwargs: guard(*args, **kwargs))
+    guarded._zinf_replaces = _TORCH_CLIP[name]
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        setattr(module, name, guarded)
+
+
+_install_clip_guard("clip_grad_norm_", clip_grad_norm_)
+_install_clip_guard("clip_grad_value_", clip_grad_value_)
+
+
 def live_optimizers() -> list[ZinfOptimizer]:
     return list(_LIVE_OPTIMIZERS)
 
