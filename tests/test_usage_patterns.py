@@ -144,10 +144,17 @@ def test_torch_clip_grad_norm_on_sharded_gradients_clips_them(stage):
         torch.nn.utils.clip_grad_norm_(pair.zinf_model[0].parameters(), 0.01)
     with pytest.raises(RuntimeError, match="clip_grad_value_ cannot clip the gradient"):
         torch.nn.utils.clip_grad_value_(pair.zinf_model.parameters(), 0.01)
+    if hasattr(torch.nn.utils, "get_total_norm"):  # the two-call form of newer torch (torchtitan's loops)
+        grads = [p.grad for p in pair.zinf_model.parameters() if p.grad is not None]
+        with pytest.raises(RuntimeError, match="clip_grads_with_norm_ cannot scale the gradient"):
+            torch.nn.utils.clip_grads_with_norm_(pair.zinf_model.parameters(), 0.01,
+                                                 torch.nn.utils.get_total_norm(grads))
     # Models zinf does not shard keep torch's own functions.
     pair.eager(x).pow(2).mean().backward()
     torch.nn.utils.clip_grad_value_(pair.eager.parameters(), 1e-4)
     assert max(p.grad.abs().max().item() for p in pair.eager.parameters()) <= 1e-4
+    assert torch.nn.utils.clip_grad_norm_(pair.eager.parameters(), 1e-5) > 1e-5
+    assert torch.nn.utils.clip_grad_norm_(pair.eager.parameters(), 1.0) == pytest.approx(1e-5, rel=1e-3)
 
 
 def test_clip_grad_norm_imported_by_name_before_zinf_sees_the_shards():

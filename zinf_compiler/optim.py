@@ -555,8 +555,21 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None)
     return _TORCH_CLIP["clip_grad_value_"](params, clip_value, foreach)
 
 
-def _install_clip_guard(name: str, guard: Callable) -> None:
-    """Route torch's ``torch.nn.utils.<name>`` through ``guard``, for every name it is known by.
+def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``, refused for zinf-sharded gradients: the norm the
+    caller took with ``get_total_norm`` over ``param.grad`` missed them, and the scaling would too."""
+    params, records = _zinf_params_in(parameters)
+    if records:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grads_with_norm_ cannot scale the gradient of parameter {records[0].name}: at "
+            f"zinf stage {records[0].stage} it lives in zinf's shards (param.grad is not it, so a norm taken with "
+            f"get_total_norm over param.grad misses it too). Call torch.nn.utils.clip_grad_norm_(model.parameters(), "
+            f"max_norm) or optimizer.clip_grad_norm_(max_norm): both return the global norm")
+    return _TORCH_CLIP["_clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
+
+
+def _install_clip_guard(name: str, guard: Callable, public_name: str | None = None) -> None:
+    """Route torch's ``torch.nn.utils.clip_grad.<name>`` through ``guard``, for every name it is known by.
 
     Loops often import it by name (``from torch.nn.utils import clip_grad_norm_``)
     before zinf is imported; replacing the module attribute would miss those.
@@ -577,12 +590,14 @@ def _install_clip_guard(name: str, guard: Callable) -> None:
     _TORCH_CLIP[name] = getattr(torch_fn, "_zinf_replaces", torch_fn)
     guarded = functools.wraps(_TORCH_CLIP[name])(lambda *args, **kwargs: guard(*args, **kwargs))
     guarded._zinf_replaces = _TORCH_CLIP[name]
-    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-        setattr(module, name, guarded)
+    setattr(torch.nn.utils.clip_grad, name, guarded)
+    setattr(torch.nn.utils, public_name or name, guarded)
 
 
 _install_clip_guard("clip_grad_norm_", clip_grad_norm_)
 _install_clip_guard("clip_grad_value_", clip_grad_value_)
+if hasattr(torch.nn.utils.clip_grad, "_clip_grads_with_norm_"):  # (newer torch: get_total_norm's partner)
+    _install_clip_guard("_clip_grads_with_norm_", clip_grads_with_norm_, "clip_grads_with_norm_")
 
 
 def live_optimizers() -> list[ZinfOptimizer]:
