@@ -157,6 +157,37 @@ def test_torch_clip_grad_norm_on_sharded_gradients_clips_them(stage):
     assert torch.nn.utils.clip_grad_norm_(pair.eager.parameters(), 1.0) == pytest.approx(1e-5, rel=1e-3)
 
 
+@pytest.mark.parametrize("options", [{"stage": 2}, {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}],
+                         ids=["stage2", "stage3-nvme"])
+def test_two_optimizers_over_one_model_with_one_cycle_schedules(options, tmp_path):
+    # A body and a head trained by two zinf optimizers (the head steps every other
+    # step, so its gradients accumulate), each under OneCycleLR, which also moves betas.
+    eager = seeded(mlp, 0)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="zinf", options={"lower": "eager", "nvme_path": str(tmp_path), **options})
+    adam = dict(eps=1e-6, fused=True)
+    runs = []
+    for net, fn, optim in ((eager, eager, torch.optim), (model, compiled, zinf.optim)):
+        body, head = optim.AdamW(net[0].parameters(), lr=1e-2, **adam), optim.Adam(net[2].parameters(), lr=3e-2, **adam)
+        schedules = [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10) for opt in (body, head)]
+        losses = []
+        for step, x in enumerate(batches() * 2):
+            loss = fn(x).pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net[0].parameters(), 0.05)
+            for opt, schedule in zip((body, head) if step % 2 == 0 else (body,), schedules):
+                opt.step()
+                opt.zero_grad()
+                schedule.step()
+            losses.append(loss.item())
+        runs.append(losses)
+    for step, (eager_loss, zinf_loss) in enumerate(zip(*runs)):
+        assert zinf_loss == pytest.approx(eager_loss, rel=1e-5), (step, runs)
+    state = zinf.full_state_dict(compiled)
+    for name, param in eager.named_parameters():
+        torch.testing.assert_close(state[name], param, rtol=1e-5, atol=1e-6)
+
+
 def test_clip_grad_norm_imported_by_name_before_zinf_sees_the_shards():
     # The usual top-of-file import binds torch's function before zinf exists.
     script = """
