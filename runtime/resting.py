@@ -106,8 +106,10 @@ def _refuse(func, param) -> None:
     raise ZinfRestingParameterError(
         f"{what} on stage-3 parameter {_name(param)}: zinf keeps its data in shards and the parameter itself "
         f"holds no memory between uses. Read the full values with zinf_compiler.full_state_dict(model) "
-        f"(every rank must call it); load new values with model.load_state_dict(...) (or param.copy_(value) "
-        f"under torch.no_grad()), which write into the shards; or use stage <= 2 to keep full parameters"
+        f"(every rank must call it); for eager code (model.generate(...), an eager evaluation) wrap it in "
+        f"`with zinf_compiler.gathered(model):`; load new values with model.load_state_dict(...) (or "
+        f"param.copy_(value) under torch.no_grad()), which write into the shards; or use stage <= 2 to keep "
+        f"full parameters"
     )
 
 

@@ -8,6 +8,7 @@ import os
 import torch
 import transformers
 
+import zinf_compiler as zinf
 from zinf_compiler.hf import ZinfTrainer
 from test_hf_trainer import STEPS, _dataset, _logged, _models
 
@@ -23,8 +24,12 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = ZinfTrainer(model=_models()["gpt2"](), args=args, train_dataset=_dataset(), zinf_options=options)
     trainer.train()
+    prompt = _dataset()[0]["input_ids"][None, :4]
+    with zinf.gathered(trainer.model):  # every rank gathers (a collective)
+        generated = trainer.model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
-        json.dump({"logged": _logged(trainer), "wrapped": type(trainer.model_wrapped).__name__}, handle)
+        json.dump({"logged": _logged(trainer), "wrapped": type(trainer.model_wrapped).__name__,
+                   "generated": generated}, handle)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zinf_compiler as zinf
+from zinf_compiler.runtime.resting import ZinfRestingParameterError
 from zinf_compiler.runtime.store import STORE
 from usage import Pair, seeded, train_interleaved
 
@@ -425,6 +426,31 @@ def test_touching_a_stage3_parameter_is_a_clear_error(touch):
     with pytest.raises(ZinfRestingParameterError, match="zinf_compiler.full_state_dict|torch.no_grad"):
         actions[touch]()
     assert weight.shape == (16, 8) and weight.requires_grad  # metadata stays readable
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+@pytest.mark.parametrize("writeback", [False, True])
+def test_gathered_gives_eager_code_full_parameters(offload, writeback, tmp_path):
+    # Eager code on a stage-3 model (HF generate, an eager evaluation): with zinf.gathered.
+    options = {**EAGER3, "offload_param": offload, "offload_optimizer": offload, "nvme_path": str(tmp_path)}
+    pair = Pair(seeded(mlp, 0), options, lr=1e-2, optimizer="AdamW", eps=1e-6, fused=True)
+    x, y = batches()[:2]
+    losses = [pair.step(x)]
+    resting = zinf.memory_report(pair.compiled)["device"]["params"]
+    with zinf.gathered(pair.compiled, writeback=writeback):
+        assert not torch.is_grad_enabled()
+        torch.testing.assert_close(pair.zinf_model(y), pair.eager(y), rtol=1e-5, atol=1e-6)  # the eager forward
+        full = sum(p.numel() * p.element_size() for p in pair.zinf_model.parameters())
+        assert zinf.memory_report(pair.compiled)["device"]["params"] == resting + full
+        pair.zinf_model[0].weight.mul_(0.5)  # kept only with writeback
+    assert zinf.memory_report(pair.compiled)["device"]["params"] == resting
+    with pytest.raises(ZinfRestingParameterError, match="zinf_compiler.gathered"):
+        pair.zinf_model[0].weight.sum()  # resting again
+    if writeback:
+        with torch.no_grad():
+            pair.eager[0].weight.mul_(0.5)
+    losses += [pair.step(y), pair.step(x)]
+    pair.assert_equal(losses, f"offload {offload}, writeback {writeback}")
 
 
 @pytest.mark.parametrize("options", [

@@ -6,7 +6,7 @@ importing this package (the backend is registered through the
 """
 
 from . import optim
-from .api import full_state_dict, memory_report, reset_peak_memory
+from .api import full_state_dict, gathered, memory_report, reset_peak_memory
 from .backend import register, zinf_backend
 from .checkpoint import ZinfCheckpointError, export, latest, load, save
 from .materialize import materialize
@@ -21,6 +21,7 @@ __all__ = [
     "load",
     "save",
     "full_state_dict",
+    "gathered",
     "materialize",
     "memory_report",
     "optim",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zinf_compiler.optim import live_optimizers
@@ -36,6 +38,36 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             full_by_id[id(value)] = STORE.full_param(record) if record is not None else value.detach().clone()
         state[name] = full_by_id[id(value)]
     return state
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module, writeback: bool = False):
+    """Full stage-3 parameters inside the block, for eager code: ``model.generate(...)``, an
+    eager evaluation, ``print(param)``.
+
+    Every rank must enter it (each parameter is gathered: a collective at
+    world size > 1).  The block runs under ``torch.no_grad()``, and each
+    parameter holds its full value on the device until the block ends
+    (``memory_report`` counts it).  ``writeback=True``: in-place changes made
+    to the parameters in the block are written into the shards and masters
+    at its end, as ``load_state_dict`` does (every rank must make the same
+    changes); otherwise they are dropped.  Stages 0-2 keep full parameters
+    already: for them the block only turns off gradients.
+    """
+    STORE.collect()
+    records = [r for r in map(STORE.lookup, _unique_params(model)) if r is not None and r.stage == 3]
+    held = []
+    try:
+        with torch.no_grad():
+            for record in records:
+                STORE.hold_full_storage(record)
+                held.append(record)
+            yield model
+            if writeback:
+                for record in held:
+                    STORE.assign_full(record, record.param.detach())
+    finally:
+        STORE.release_full_storage(held)
 
 
 def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
