@@ -412,11 +412,12 @@ class ParamStore:
                 if type(param) is torch.nn.Parameter:
                     param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
 
-    def hold_full_storage(self, record: ParamRecord) -> None:
+    def hold_full_storage(self, record: ParamRecord) -> bool:
         """Stage 3 (``zinf.gathered``): give a resting parameter its full storage back, holding its
-        current value (a collective: every rank must call); :meth:`release_full_storage` frees it."""
+        current value (a collective: every rank must call); :meth:`release_full_storage` frees it.
+        False if it was not resting (an enclosing block holds it)."""
         if record.stage != 3 or record.full_storage_bytes:
-            return
+            return False
         full = self.full_param(record)
         param = record.param
         param.untyped_storage().resize_(_nbytes(param))
@@ -424,6 +425,7 @@ class ParamStore:
         self._add_resting("device", record.full_storage_bytes, ledger=record.ledger)
         with torch.no_grad():
             param.detach().copy_(full)  # (no longer resting: the guard lets it through)
+        return True
 
     def assign_full(self, record: ParamRecord, value: torch.Tensor) -> None:
         """Write a full new value of a parameter into this rank's shard and master, on their tiers.

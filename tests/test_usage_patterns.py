@@ -443,6 +443,9 @@ def test_gathered_gives_eager_code_full_parameters(offload, writeback, tmp_path)
         full = sum(p.numel() * p.element_size() for p in pair.zinf_model.parameters())
         assert zinf.memory_report(pair.compiled)["device"]["params"] == resting + full
         pair.zinf_model[0].weight.mul_(0.5)  # kept only with writeback
+        with zinf.gathered(pair.compiled):  # nested: the outer block keeps holding them
+            pass
+        pair.zinf_model[0].weight.sum()
     assert zinf.memory_report(pair.compiled)["device"]["params"] == resting
     with pytest.raises(ZinfRestingParameterError, match="zinf_compiler.gathered"):
         pair.zinf_model[0].weight.sum()  # resting again

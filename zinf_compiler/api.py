@@ -60,8 +60,8 @@ def gathered(model: torch.nn.Module, writeback: bool = False):
     try:
         with torch.no_grad():
             for record in records:
-                STORE.hold_full_storage(record)
-                held.append(record)
+                if STORE.hold_full_storage(record):  # (else an enclosing block holds it, and frees it)
+                    held.append(record)
             yield model
             if writeback:
                 for record in held:
