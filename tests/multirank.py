@@ -22,8 +22,19 @@ def run_ranks(world_size: int, worker: str, args: dict, timeout: float = 600, ki
     """Run ``python tests/<worker>.py`` as ``world_size`` ranks; return each rank's JSON result.
 
     ``killed_ok``: ranks that SIGKILLed themselves (a crash test) are not
-    failures; their result is None.
+    failures; their result is None.  The port :func:`free_port` found may be
+    taken by another process before rank 0 binds it: that failure alone is
+    retried once, on a new port.
     """
+    try:
+        return _run_ranks(world_size, worker, args, timeout, killed_ok)
+    except AssertionError as err:
+        if "address already in use" not in str(err).lower():
+            raise
+        return _run_ranks(world_size, worker, args, timeout, killed_ok)
+
+
+def _run_ranks(world_size: int, worker: str, args: dict, timeout: float, killed_ok: bool) -> list:
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         procs = []
