@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import zinf_compiler as zinf
 from usage import Pair, loss_of, train_interleaved
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
@@ -123,7 +124,7 @@ def input_shapes(draw_from=st.integers) -> st.SearchStrategy:
 
 
 # What a user may do between two training steps, to both models alike.
-BETWEEN_STEPS = ("nothing", "inference", "load_state_dict")
+BETWEEN_STEPS = ("nothing", "inference", "load_state_dict", "gathered")
 
 
 @given(spec=model_specs(), data=st.data(), instances=st.integers(1, 3), shapes=input_shapes(),
@@ -161,6 +162,17 @@ def _between_steps(pair: Pair, between: str, x: torch.Tensor) -> None:
     if between == "inference":
         with torch.inference_mode():
             torch.testing.assert_close(pair.compiled(x), pair.eager(x), rtol=1e-5, atol=1e-6)
+    elif between == "gathered":
+        # Eager code on the full parameters, and an in-place change kept (writeback).
+        with zinf.gathered(pair.compiled, writeback=True):
+            torch.testing.assert_close(pair.zinf_model(x), pair.eager(x), rtol=1e-5, atol=1e-6)
+            for param in pair.zinf_model.parameters():
+                if param.is_floating_point():
+                    param.mul_(0.9)
+        with torch.no_grad():
+            for param in pair.eager.parameters():
+                if param.is_floating_point():
+                    param.mul_(0.9)
     elif between == "load_state_dict":
         # New weights into the trained models (stage 3: written into the shards).
         state = {name: value.detach() * 0.5 + 0.01 for name, value in pair.eager.state_dict().items()
