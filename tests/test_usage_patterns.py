@@ -189,6 +189,50 @@ def test_two_optimizers_over_one_model_with_one_cycle_schedules(options, tmp_pat
         torch.testing.assert_close(state[name], param, rtol=1e-5, atol=1e-6)
 
 
+class Head(torch.nn.Module):
+    """A model around a trunk it may share with another model (an encoder used by two heads)."""
+
+    def __init__(self, trunk: torch.nn.Module):
+        super().__init__()
+        self.trunk = trunk
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.trunk(x)))
+
+
+@pytest.mark.parametrize("options", [{"stage": 2}, {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}],
+                         ids=["stage2", "stage3-nvme"])
+def test_two_compiled_models_sharing_a_module_and_an_evaluation_between_micro_batches(options, tmp_path):
+    # Two heads over one trunk, compiled one by one, one optimizer over the union; and an
+    # evaluation forward between the two backwards of an accumulated step.
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(8, 8)
+    eager = torch.nn.ModuleList([Head(trunk), Head(trunk)])
+    models = copy.deepcopy(eager)  # (deepcopy keeps the trunk shared)
+    options = {"lower": "eager", "nvme_path": str(tmp_path), **options}
+    compiled = [torch.compile(model, backend="zinf", options=options) for model in models]
+    adam = dict(lr=1e-2, eps=1e-6, fused=True)
+    x, y, z = batches(3)
+    runs = []
+    for (first, second), optimizer in (((eager[0], eager[1]), torch.optim.AdamW(eager.parameters(), **adam)),
+                                       (compiled, zinf.optim.AdamW(models.parameters(), **adam))):
+        values = []
+        for _ in range(3):
+            loss = first(x).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                evaluation = second(z).sum().item()
+            more = second(y).pow(2).mean()
+            more.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            values += [loss.item(), evaluation, more.item()]
+        runs.append(values)
+    for index, (expected, got) in enumerate(zip(*runs)):
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-7), (index, runs)
+
+
 def test_clip_grad_norm_imported_by_name_before_zinf_sees_the_shards():
     # The usual top-of-file import binds torch's function before zinf exists.
     script = """
