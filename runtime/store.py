@@ -420,8 +420,8 @@ class ParamStore:
             return False
         full = self.full_param(record)
         param = record.param
-        param.untyped_storage().resize_(_nbytes(param))
         record.full_storage_bytes = _nbytes(param)
+        param.untyped_storage().resize_(record.full_storage_bytes)
         self._add_resting("device", record.full_storage_bytes, ledger=record.ledger)
         with torch.no_grad():
             param.detach().copy_(full)  # (no longer resting: the guard lets it through)

@@ -472,6 +472,12 @@ def _swap_transaction(records) -> contextlib.ExitStack:
     return stack
 
 
+def _grad_outside_param(record: ParamRecord | None) -> bool:
+    """Whether ``param.grad`` misses this parameter's (averaged) gradient: it lives in zinf's shards
+    (stages 2-3), or stage 1 with several ranks has not averaged it yet."""
+    return record is not None and (record.stage >= 2 or (record.stage == 1 and record.world_size > 1))
+
+
 def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before any ``torch.optim`` step: refuse one that would silently miss zinf's gradients.
 
@@ -486,7 +492,7 @@ def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -
     for group in optimizer.param_groups:
         for param in group["params"]:
             record = STORE.lookup(param)
-            if record is None or record.stage == 0 or (record.stage == 1 and record.world_size == 1):
+            if not _grad_outside_param(record):
                 continue
             name = type(optimizer).__name__
             suggestion = name if name in ("AdamW", "Adam", "SGD") else "AdamW"
@@ -499,12 +505,6 @@ def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -
 
 
 register_optimizer_step_pre_hook(_refuse_foreign_optimizers)
-
-
-def _grad_outside_param(record: ParamRecord | None) -> bool:
-    """Whether ``param.grad`` misses this parameter's (averaged) gradient: it lives in zinf's shards
-    (stages 2-3), or stage 1 with several ranks has not averaged it yet."""
-    return record is not None and (record.stage >= 2 or (record.stage == 1 and record.world_size > 1))
 
 
 # ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` reads ``param.grad``; at
@@ -581,17 +581,16 @@ def _install_clip_guard(name: str, guard: Callable, public_name: str | None = No
     torch_fn = getattr(torch.nn.utils.clip_grad, name)
     cells = dict(zip(torch_fn.__code__.co_freevars, torch_fn.__closure__ or ()))
     body_cell = cells.get("func")
-    if body_cell is not None and callable(body_cell.cell_contents):
-        # (``_zinf_replaces``: a reloaded zinf must not guard its own guard.)
-        _TORCH_CLIP[name] = getattr(body_cell.cell_contents, "_zinf_replaces", body_cell.cell_contents)
-        guard._zinf_replaces = _TORCH_CLIP[name]
+    if body_cell is not None and not callable(body_cell.cell_contents):
+        body_cell = None
+    replaced = body_cell.cell_contents if body_cell is not None else torch_fn
+    # (``_zinf_replaces``: a reloaded zinf must not guard its own guard.)
+    _TORCH_CLIP[name] = guard._zinf_replaces = getattr(replaced, "_zinf_replaces", replaced)
+    if body_cell is not None:
         body_cell.cell_contents = guard
-        return
-    _TORCH_CLIP[name] = getattr(torch_fn, "_zinf_replaces", torch_fn)
-    guarded = functools.wraps(_TORCH_CLIP[name])(lambda *args, **kwargs: guard(*args, **kwargs))
-    guarded._zinf_replaces = _TORCH_CLIP[name]
-    setattr(torch.nn.utils.clip_grad, name, guarded)
-    setattr(torch.nn.utils, public_name or name, guarded)
+    else:
+        setattr(torch.nn.utils.clip_grad, name, guard)
+        setattr(torch.nn.utils, public_name or name, guard)
 
 
 _install_clip_guard("clip_grad_norm_", clip_grad_norm_)
