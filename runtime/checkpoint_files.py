@@ -14,12 +14,22 @@ needs its whole content in memory:
 
 Every file is written under a temporary name, fsynced and renamed into
 place: a reader sees a whole file or none.
+
+A folder being written to, or read from, is untrusted: a file is created
+with ``O_EXCL | O_NOFOLLOW`` (whatever sits at its temporary name, a file a
+killed writer left or a planted link, is unlinked first, never followed),
+and a checkpoint's files are named by plain file names that
+:func:`open_in_folder` confines to the folder and opens without following a
+link.  Every defect of a file or of its description is a
+:class:`ZinfCheckpointError` naming the file and the entry.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 import zlib
 from typing import Iterable
@@ -65,14 +75,54 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+# O_NONBLOCK: opening a FIFO planted under a file's name must not hang (a no-op for the regular files read).
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+_CREATE_ATTEMPTS = 3
+
+
+def create_new(path: str):
+    """A binary handle on a new, empty file at ``path``, never a file reached through a link.
+
+    Whatever is at ``path`` (a file a killed writer left, or a link planted
+    there) is unlinked first: a link is removed, its target never touched;
+    the create is exclusive, so a link put back in between is refused.
+    """
+    for _ in range(_CREATE_ATTEMPTS):
+        try:
+            return os.fdopen(os.open(path, _CREATE_FLAGS, 0o666), "wb")
+        except FileExistsError:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                raise ZinfCheckpointError(f"cannot write {path}: something that is not a file is in the way "
+                                          f"({err}); remove it and try again") from None
+    raise ZinfCheckpointError(f"cannot write {path}: it was created again each time zinf removed it; another "
+                              f"process is writing into {os.path.dirname(path)}: write to a folder only this run "
+                              f"uses")
+
+
+def replace_into_place(temporary: str, path: str) -> None:
+    """Rename ``temporary`` to ``path`` (a link at ``path`` is replaced, its target never written)."""
+    try:
+        os.replace(temporary, path)
+    except OSError as err:
+        raise ZinfCheckpointError(f"cannot put {path} in place ({err}); remove what is at {path} and try "
+                                  f"again") from None
+
+
 def write_file_atomic(path: str, data: bytes) -> int:
     """Write ``data`` to ``path`` (temporary name, fsync, rename); returns its CRC32."""
     temporary = path + ".tmp"
-    with open(temporary, "wb") as handle:
+    with create_new(temporary) as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    replace_into_place(temporary, path)
     return zlib.crc32(data)
 
 
@@ -80,25 +130,88 @@ def write_json_atomic(path: str, obj) -> int:
     return write_file_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
-def read_checked(path: str, crc: int | None, what: str) -> bytes:
-    """The bytes of ``path``, checked against ``crc`` (None: unchecked)."""
+def check_file_name(name, what: str, where: str) -> str:
+    """``name`` if it is a plain file name (no path separator, not ``.``/``..``, not empty); else raise.
+
+    ``where`` names the file and entry that recorded ``name``.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name or (
+            os.altsep and os.altsep in name):
+        raise ZinfCheckpointError(f"{where}: {what} is named {name!r}, which is not a plain file name inside the "
+                                  f"checkpoint folder (zinf reads nothing outside it): the checkpoint is damaged or "
+                                  f"was tampered with; load another one")
+    return name
+
+
+def open_regular(path: str, what: str) -> int:
+    """A read-only descriptor of the regular file ``path``, not opened through a link at ``path``."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         raise ZinfCheckpointError(f"{what} {path} is missing: the checkpoint is incomplete") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ZinfCheckpointError(f"{what} {path} is a symbolic link; zinf reads a checkpoint's files only "
+                                      f"as regular files inside its folder (a link may lead outside it): "
+                                      f"replace the link by a copy of the file it points to") from None
+        raise ZinfCheckpointError(f"{what} {path} cannot be opened ({err})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ZinfCheckpointError(f"{what} {path} is not a regular file (mode {stat.filemode(mode)}): the "
+                                  f"checkpoint is damaged; load another one")
+    return fd
+
+
+def open_in_folder(folder: str, name, what: str, where: str) -> tuple[str, int]:
+    """(path, read-only descriptor) of the file ``name`` directly in ``folder``: confined, never via a link."""
+    path = os.path.join(folder, check_file_name(name, what, where))
+    return path, open_regular(path, what)
+
+
+def read_checked(folder: str, name: str, crc: int | None, what: str, where: str | None = None) -> bytes:
+    """The bytes of ``folder/name``, checked against ``crc`` (None: unchecked)."""
+    path, fd = open_in_folder(folder, name, what, where or folder)
+    with open(fd, "rb") as handle:
+        data = handle.read()
     if crc is not None and zlib.crc32(data) != crc:
         raise ZinfCheckpointError(f"{what} {path} is corrupt: its CRC32 is {zlib.crc32(data):08x}, the checkpoint "
                                   f"recorded {crc:08x}")
     return data
 
 
-def read_json_checked(path: str, crc: int | None, what: str):
-    data = read_checked(path, crc, what)
+def read_json_checked(folder: str, name: str, crc: int | None, what: str, where: str | None = None):
+    data = read_checked(folder, name, crc, what, where)
     try:
         return json.loads(data)
-    except ValueError as err:
-        raise ZinfCheckpointError(f"{what} {path} is not valid JSON ({err}): the checkpoint is corrupt") from None
+    except (ValueError, RecursionError) as err:
+        raise ZinfCheckpointError(f"{what} {os.path.join(folder, name)} is not valid JSON ({err}): the checkpoint "
+                                  f"is corrupt") from None
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_data_description(described, where: str) -> None:
+    """Check what a manifest says of its data file (``bytes``, ``block_bytes``, one ``crc32`` per block)."""
+    damaged = "the checkpoint is damaged or was not written by zinf.save; load another one"
+    if not isinstance(described, dict):
+        raise ZinfCheckpointError(f"{where}: the data file's description is {type(described).__name__}, not an "
+                                  f"object: {damaged}")
+    for key in ("bytes", "block_bytes"):
+        if not _is_count(described.get(key)) or (key == "block_bytes" and described[key] == 0):
+            raise ZinfCheckpointError(f"{where}: data.{key} is {described.get(key, 'missing')!r}, not a "
+                                      f"{'positive' if key == 'block_bytes' else 'non-negative'} integer: {damaged}")
+    crcs = described.get("crc32")
+    if not isinstance(crcs, list) or not all(_is_count(crc) and crc < 1 << 32 for crc in crcs):
+        raise ZinfCheckpointError(f"{where}: data.crc32 is not a list of CRC32 values: {damaged}")
+    blocks = -(-described["bytes"] // described["block_bytes"])
+    if len(crcs) != blocks:
+        raise ZinfCheckpointError(f"{where}: data.crc32 holds {len(crcs)} checksum(s) for the {described['bytes']:,} "
+                                  f"bytes of data file {described.get('file', '?')} in blocks of "
+                                  f"{described['block_bytes']:,}, which need {blocks}: part of the file would go "
+                                  f"unchecked; {damaged}")
 
 
 class ChecksummedWriter:
@@ -107,7 +220,7 @@ class ChecksummedWriter:
     def __init__(self, path: str):
         self.path = path
         self._temporary = path + ".tmp"
-        self._handle = open(self._temporary, "wb")
+        self._handle = create_new(self._temporary)
         self.size = 0
         self._crcs: list[int] = []
         self._block_crc = 0
@@ -139,7 +252,7 @@ class ChecksummedWriter:
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
-        os.replace(self._temporary, self.path)
+        replace_into_place(self._temporary, self.path)
         return {"file": os.path.basename(self.path), "bytes": self.size, "block_bytes": BLOCK_BYTES,
                 "crc32": self._crcs}
 
@@ -156,17 +269,21 @@ def _discard(handle, temporary: str) -> None:
         pass
 
 
-def verify_data_file(path: str, described: dict) -> None:
-    """Check a data file's size and every block's CRC32 against its manifest; raise naming the file and block."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise ZinfCheckpointError(f"checkpoint data file {path} is missing") from None
-    if size != described["bytes"]:
-        raise ZinfCheckpointError(f"checkpoint data file {path} has {size:,} bytes, its manifest recorded "
-                                  f"{described['bytes']:,}: it is truncated or was overwritten")
-    block_bytes = described["block_bytes"]
-    with open(path, "rb") as handle:
+def verify_data_file(path: str, described: dict, manifest: str | None = None) -> None:
+    """Check a data file's size and every block's CRC32 against its manifest; raise naming the file and block.
+
+    ``described`` must hold one CRC32 per block of the recorded size (none for
+    an empty file): a list that leaves blocks unchecked is refused.
+    ``manifest``: the manifest's path, for the errors.
+    """
+    check_data_description(described, manifest or f"checkpoint data file {path}")
+    with open(open_regular(path, "checkpoint data file"), "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != described["bytes"]:
+            raise ZinfCheckpointError(f"checkpoint data file {path} has {size:,} bytes, its manifest "
+                                      f"{manifest or ''}{' ' if manifest else ''}recorded {described['bytes']:,}: "
+                                      f"it is truncated or was overwritten")
+        block_bytes = described["block_bytes"]
         for index, expected in enumerate(described["crc32"]):
             crc = zlib.crc32(handle.read(block_bytes))
             if crc != expected:
@@ -177,18 +294,26 @@ def verify_data_file(path: str, described: dict) -> None:
 
 
 class RangeReader:
-    """Reads byte ranges of files (``os.pread``), keeping each file open once."""
+    """Reads byte ranges of files (``os.pread``), keeping each file open once.
 
-    def __init__(self):
+    ``follow_links=False`` (a checkpoint's data files): only regular files,
+    never opened through a link.
+    """
+
+    def __init__(self, follow_links: bool = True):
         self._fds: dict[str, int] = {}
+        self._follow_links = follow_links
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         fd = self._fds.get(path)
         if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise ZinfCheckpointError(f"{path} is missing") from None
+            if not self._follow_links:
+                fd = self._fds[path] = open_regular(path, "checkpoint data file")
+            else:
+                try:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise ZinfCheckpointError(f"{path} is missing") from None
         done = 0
         while done < len(out):
             count = os.preadv(fd, [out[done : done + READ_CHUNK_BYTES]], offset + done)
@@ -238,7 +363,7 @@ class SafetensorsWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as the reference writer does
         self._temporary = path + ".tmp"
-        self._handle = open(self._temporary, "wb")
+        self._handle = create_new(self._temporary)
         self._handle.write(struct.pack("<Q", len(encoded)) + encoded)
         self._next = 0
 
@@ -257,7 +382,7 @@ class SafetensorsWriter:
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
-        os.replace(self._temporary, self.path)
+        replace_into_place(self._temporary, self.path)
 
     def abort(self) -> None:
         _discard(self._handle, self._temporary)
@@ -286,8 +411,20 @@ def open_safetensors(path: str) -> dict[str, SafetensorsTensor]:
     if os.path.isdir(path):
         index = [name for name in os.listdir(path) if name.endswith(".safetensors.index.json")]
         if index:
-            with open(os.path.join(path, index[0])) as handle:
-                weight_map = json.load(handle).get("weight_map", {})
+            index_path = os.path.join(path, index[0])
+            try:
+                with open(index_path) as handle:
+                    weight_map = json.load(handle).get("weight_map", {})
+            except (ValueError, RecursionError, AttributeError) as err:
+                raise ZinfCheckpointError(f"{index_path} is not a safetensors index ({err})") from None
+            if not isinstance(weight_map, dict):
+                raise ZinfCheckpointError(f"{index_path}: weight_map is not an object: the index is damaged")
+            for file in weight_map.values():
+                # Links are fine (a Hugging Face cache links its snapshots to blobs); names out of the folder not.
+                if not isinstance(file, str) or os.path.isabs(file) or \
+                        os.path.normpath(file).split(os.sep)[0] in ("..", "", "."):
+                    raise ZinfCheckpointError(f"{index_path}: weight_map names the file {file!r}, which is not a "
+                                              f"file inside {path}: the index is damaged or was tampered with")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
@@ -310,19 +447,29 @@ def open_safetensors(path: str) -> dict[str, SafetensorsTensor]:
             header = json.loads(handle.read(header_bytes))
     except FileNotFoundError:
         raise ZinfCheckpointError(f"weights file {path} does not exist") from None
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:
         raise ZinfCheckpointError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ZinfCheckpointError(f"{path}: the safetensors header is not an object: the file is damaged")
     data_start = 8 + header_bytes
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = DTYPES_BY_SAFETENSORS.get(entry["dtype"])
+        try:
+            dtype_name, (begin, end), shape = entry["dtype"], entry["data_offsets"], tuple(entry["shape"])
+            dtype = DTYPES_BY_SAFETENSORS.get(dtype_name)
+            if not all(_is_count(n) for n in (begin, end, *shape)):
+                raise TypeError("offsets and shape must be non-negative integers")
+        except (KeyError, TypeError, ValueError) as err:
+            raise ZinfCheckpointError(f"{path}: the header entry of tensor {name} is malformed ({err!r}): the file "
+                                      f"is damaged") from None
         if dtype is None:
-            raise ZinfCheckpointError(f"{path}: tensor {name} has dtype {entry['dtype']}, which zinf cannot read")
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if end - begin != int(torch.Size(shape).numel()) * dtype.itemsize or data_start + end > size:
+            raise ZinfCheckpointError(f"{path}: tensor {name} has dtype {dtype_name}, which zinf cannot read")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if end - begin != numel * dtype.itemsize or data_start + end > size:
             raise ZinfCheckpointError(f"{path}: tensor {name}'s byte range {begin}-{end} does not fit its shape "
                                       f"{shape} and dtype, or lies past the end of the file: the file is damaged")
         tensors[name] = SafetensorsTensor(path, name, dtype, shape, data_start + begin)

@@ -44,11 +44,15 @@ that the rest of the ecosystem (``transformers``, ``safetensors``, plain
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import math
 import os
+import pickle
 import random
 import shutil
+import tempfile
 import time
 import zlib
 from typing import Any
@@ -58,8 +62,10 @@ import torch
 from .api import _unwrap
 from .optim import ZinfOptimizer
 from .runtime.checkpoint_files import (DTYPE_NAMES, DTYPES_BY_NAME, ChecksummedWriter, RangeReader,
-                                       SafetensorsWriter, ZinfCheckpointError, fsync_dir, read_checked,
-                                       read_json_checked, verify_data_file, write_file_atomic, write_json_atomic)
+                                       SafetensorsWriter, ZinfCheckpointError, check_data_description,
+                                       check_file_name, create_new, fsync_dir, read_checked,
+                                       read_json_checked, replace_into_place, verify_data_file, write_file_atomic,
+                                       write_json_atomic)
 from .runtime.nvme_adam import state_key, sub_groups
 from .runtime.store import STORE, ParamRecord
 
@@ -190,10 +196,16 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         _check_optimizer(optimizer)
         optimizer._bind()
     staging = path + ".partial"
+    prepared = None
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
-        os.makedirs(staging)
-    _barrier(comm, "creating " + staging)
+        try:
+            _remove(staging)  # what a killed save left (a link there is removed, never followed)
+            os.makedirs(staging)
+        except OSError as err:
+            prepared = f"cannot create {staging} ({err})"
+    prepared = comm.all_gather_object(prepared, "all_gather of checkpoint staging (save)")[0]
+    if prepared is not None:
+        raise ZinfCheckpointError(f"save to {path} failed; nothing was written: {prepared}")
     outcome, failure = None, None
     try:
         manifest = _write_rank(staging, rank, model, optimizer)
@@ -205,27 +217,45 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     outcomes = comm.all_gather_object((written, outcome), "all_gather of checkpoint outcomes (save)")
     failed = [message for _, message in outcomes if message is not None]
     if failed:
+        if rank == 0:
+            _remove(staging, quiet=True)  # every rank is done with it
         error = ZinfCheckpointError(f"save to {path} failed; nothing was committed (the previous checkpoint at that "
                                     f"path, if any, is untouched): " + "; ".join(failed))
         raise error from failure
+    committed = None
     if rank == 0:
-        meta = _meta(model, optimizer, world_size, {name: crc for (name, crc, _), _ in outcomes})
-        if extra is not None:
-            extra_path = os.path.join(staging, "extra.pt")
-            torch.save(extra, extra_path + ".tmp")
-            with open(extra_path + ".tmp", "rb") as handle:
-                os.fsync(handle.fileno())
-            os.replace(extra_path + ".tmp", extra_path)
-            meta["extra"] = {"file": "extra.pt", "crc32": _file_crc(extra_path)}
-        meta_crc = write_json_atomic(os.path.join(staging, "meta.json"), meta)
-        write_file_atomic(os.path.join(staging, COMMIT_MARKER), f"{meta_crc}\n".encode())
-        fsync_dir(staging)
-        _publish(staging, path)
-    _barrier(comm, "committing " + path)
+        try:
+            _commit(staging, path, model, optimizer, extra, world_size,
+                    {name: crc for (name, crc, _), _ in outcomes})
+        except Exception as err:  # the other ranks wait for the outcome, not for a barrier that never comes
+            _remove(staging, quiet=True)
+            committed, failure = f"{type(err).__name__}: {err}", err
+    committed = comm.all_gather_object(committed, "all_gather of the checkpoint commit (save)")[0]
+    if committed is not None:
+        error = ZinfCheckpointError(f"save to {path} failed while committing; nothing was committed (the previous "
+                                    f"checkpoint at that path, if any, is untouched): {committed}")
+        raise error from failure
     total = sum(nbytes for (_, _, nbytes), _ in outcomes)
     log.info("zinf.save: %s (%s bytes over %d rank(s)) in %.1f s", path, f"{total:,}", world_size,
              time.perf_counter() - started)
     return path
+
+
+def _commit(staging: str, path: str, model, optimizer, extra, world_size: int, manifests: dict[str, int]) -> None:
+    """Rank 0: write ``extra``, ``meta.json`` and the commit marker into ``staging``, then publish it at ``path``."""
+    meta = _meta(model, optimizer, world_size, manifests)
+    if extra is not None:
+        extra_path = os.path.join(staging, "extra.pt")
+        with create_new(extra_path + ".tmp") as handle:
+            torch.save(extra, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        replace_into_place(extra_path + ".tmp", extra_path)
+        meta["extra"] = {"file": "extra.pt", "crc32": _file_crc(extra_path)}
+    meta_crc = write_json_atomic(os.path.join(staging, "meta.json"), meta)
+    write_file_atomic(os.path.join(staging, COMMIT_MARKER), f"{meta_crc}\n".encode())
+    fsync_dir(staging)
+    _publish(staging, path)
 
 
 def _barrier(comm, what: str) -> None:
@@ -241,19 +271,44 @@ def _file_crc(path: str) -> int:
     return crc
 
 
+def _remove(path: str, quiet: bool = False) -> None:
+    """Remove what is at ``path``: a folder with its content, or a file or link (a link's target is kept)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # rmtree never follows a link inside the folder
+        elif os.path.lexists(path):
+            os.unlink(path)
+    except OSError:
+        if not quiet:
+            raise
+
+
 def _publish(staging: str, path: str) -> None:
     """Rename the complete ``staging`` folder to ``path``, replacing a checkpoint there.
 
     If killed between the two renames, ``path`` is missing and ``<path>.old``
-    holds the previous complete checkpoint; :func:`load` says so.
+    holds the previous complete checkpoint; :func:`load` says so.  What is at
+    ``<path>.old`` beforehand (a folder a killed publish left, or a planted
+    link) is removed, never followed.  If a rename fails, the previous
+    checkpoint is put back at ``path``, ``staging`` is removed, and the error
+    says why.
     """
     old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(staging, path)
+    _remove(old)
+    moved_aside = False
+    try:
+        if os.path.lexists(path):
+            os.rename(path, old)
+            moved_aside = True
+        os.rename(staging, path)
+    except OSError as err:
+        if moved_aside:
+            with contextlib.suppress(OSError):
+                os.rename(old, path)
+        raise ZinfCheckpointError(f"cannot publish the checkpoint {staging} as {path} ({err}); the previous "
+                                  f"checkpoint there, if any, is kept") from None
     fsync_dir(os.path.dirname(path))
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old, quiet=True)
 
 
 def _check_optimizer(optimizer) -> None:
@@ -377,45 +432,86 @@ def _meta(model, optimizer, world_size: int, manifests: dict[str, int]) -> dict:
 
 
 class Checkpoint:
-    """A committed checkpoint folder, verified, indexed by (name, kind) -> pieces."""
+    """A committed checkpoint folder, checked and indexed by (name, kind) -> pieces.
+
+    The folder is untrusted input.  Every file it names (manifests, data
+    files, ``extra``) must be a plain file name inside it and is opened
+    without following a link; every field a load uses is checked before any
+    data file is read: types, one manifest per saved rank, offsets and
+    counts inside the data file, a tensor's pieces disjoint and inside it,
+    values and buffers covered whole, RNG states restorable.  A defect is a
+    ``ZinfCheckpointError`` naming the file and the entry.
+    """
 
     def __init__(self, path: str, verify: bool = True):
         self.path = path
         marker = os.path.join(path, COMMIT_MARKER)
-        if not os.path.exists(marker):
+        if not os.path.lexists(marker):
             raise ZinfCheckpointError(_not_committed(path))
         try:
-            meta_crc = int(read_checked(marker, None, "commit marker").decode().strip())
+            meta_crc = int(read_checked(path, COMMIT_MARKER, None, "commit marker").decode().strip())
         except ValueError:
             raise ZinfCheckpointError(f"commit marker {marker} is damaged: the checkpoint is corrupt") from None
-        self.meta = read_json_checked(os.path.join(path, "meta.json"), meta_crc, "checkpoint metadata")
-        if self.meta.get("format") != FORMAT:
-            raise ZinfCheckpointError(f"{path} holds a checkpoint of format {self.meta.get('format')!r}; this zinf "
-                                      f"reads {FORMAT!r}")
-        self.manifests = [read_json_checked(os.path.join(path, name), crc, "checkpoint manifest")
-                          for name, crc in sorted(self.meta["manifests"].items())]
+        meta_path = os.path.join(path, "meta.json")
+        self.meta = read_json_checked(path, "meta.json", meta_crc, "checkpoint metadata")
+        _check_meta(self.meta, meta_path)
+        by_rank: dict[int, tuple[str, dict]] = {}
+        for name, crc in sorted(self.meta["manifests"].items()):
+            manifest_path = os.path.join(path, name)
+            manifest = read_json_checked(path, name, crc, "checkpoint manifest", f"{meta_path}: manifests")
+            rank = _check_manifest(manifest, manifest_path, self.meta)
+            if rank in by_rank:
+                raise _bad(manifest_path, "rank", f"is {rank}, as in {by_rank[rank][0]}")
+            by_rank[rank] = (manifest_path, manifest)
+        # _check_meta: as many manifests as ranks; _check_manifest: ranks below world_size, here distinct.
+        ordered = [by_rank[rank] for rank in range(self.meta["world_size"])]
+        self.manifests = [manifest for _, manifest in ordered]
+        self.manifest_paths = [manifest_path for manifest_path, _ in ordered]
+        self.data_paths = [os.path.join(path, manifest["data"]["file"]) for manifest in self.manifests]
         self.pieces: dict[tuple[str, str], list] = {}
+        self.dtypes: dict[tuple[str, str], torch.dtype] = {}
         self.scalars: dict[str, dict] = {}
-        for manifest in self.manifests:
-            data_path = os.path.join(path, manifest["data"]["file"])
-            for entry in manifest["entries"]:
+        for (manifest_path, manifest), data_path in zip(ordered, self.data_paths):
+            for index, entry in enumerate(manifest["entries"]):
+                key = (entry["name"], entry["kind"])
                 dtype = DTYPES_BY_NAME[entry["dtype"]]
-                self.pieces.setdefault((entry["name"], entry["kind"]), []).extend(
+                if self.dtypes.setdefault(key, dtype) != dtype:
+                    raise _bad(manifest_path, f"entries[{index}].dtype", f"is {entry['dtype']}, another manifest "
+                               f"holds {entry['name']} ({entry['kind']}) as {DTYPE_NAMES[self.dtypes[key]]}")
+                self.pieces.setdefault(key, []).extend(
                     (first, stop, data_path, offset, dtype) for first, stop, offset in entry["pieces"])
             for name, values in manifest["scalars"].items():
                 self.scalars.setdefault(name, values)
         for pieces in self.pieces.values():
             pieces.sort()
-        self.reader = RangeReader()
+        self._check_pieces()
+        self.reader = RangeReader(follow_links=False)
+
+    def _check_pieces(self) -> None:
+        """A tensor's pieces must not overlap; a value or buffer must be covered whole."""
+        sizes = {**{(name, "value"): info["shape"] for name, info in self.meta["params"].items()},
+                 **{(name, "buffer"): info["shape"] for name, info in self.meta["buffers"].items()}}
+        for (name, kind), shape in sizes.items():
+            numel = math.prod(shape)
+            covered = sum(stop - first for first, stop, *_ in self.pieces.get((name, kind), []))
+            if covered != numel:
+                raise ZinfCheckpointError(f"{self.path}: the manifests hold {covered:,} of the {numel:,} elements of "
+                                          f"{name} ({kind}): the checkpoint is incomplete or damaged; load another "
+                                          f"one")
+        for (name, kind), pieces in self.pieces.items():
+            for (_, stop, *_), (first, *_) in zip(pieces, pieces[1:]):
+                if first < stop:
+                    raise ZinfCheckpointError(f"{self.path}: two pieces of {name} ({kind}) both hold element "
+                                              f"{first:,}: the checkpoint is damaged; load another one")
 
     def verify(self, comm) -> None:
         """Check every data file's blocks, the work split over ranks; all ranks raise the same error."""
         errors = []
-        for index, manifest in enumerate(self.manifests):
+        for index in range(len(self.manifests)):
             if index % comm.world_size != comm.rank:
                 continue
             try:
-                verify_data_file(os.path.join(self.path, manifest["data"]["file"]), manifest["data"])
+                self.verify_data(index)
             except ZinfCheckpointError as err:
                 errors.append(str(err))
         gathered = comm.all_gather_object(errors, "all_gather of checkpoint verification (load)")
@@ -423,8 +519,16 @@ class Checkpoint:
         if found:
             raise ZinfCheckpointError(f"load from {self.path} refused, nothing was changed: " + "; ".join(found))
 
+    def verify_data(self, index: int) -> None:
+        """Check the size and every block's CRC32 of the data file of rank ``index``."""
+        verify_data_file(self.data_paths[index], self.manifests[index]["data"], self.manifest_paths[index])
+
     def has(self, name: str, kind: str) -> bool:
         return (name, kind) in self.pieces
+
+    def dtype(self, name: str, kind: str) -> torch.dtype:
+        """The dtype the checkpoint holds ``name`` (``kind``) in."""
+        return self.dtypes[(name, kind)]
 
     def read_ranges(self, name: str, kind: str, ranges, local_numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A local tensor of ``local_numel`` elements: each (first, stop, local_start) range filled from the pieces."""
@@ -456,6 +560,216 @@ class Checkpoint:
         self.reader.close()
 
 
+# --- checks of a checkpoint's JSON (untrusted input) -------------------------------------
+
+
+def _bad(where: str, field: str, problem: str) -> ZinfCheckpointError:
+    return ZinfCheckpointError(f"{where}: {field} {problem}: the checkpoint is damaged or was not written by "
+                               f"zinf.save; load another one (zinf.latest(folder) finds the newest complete one)")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_shape(value) -> bool:
+    return isinstance(value, list) and all(_is_count(n) for n in value)
+
+
+def _is_crc(value) -> bool:
+    return _is_count(value) and value < 1 << 32
+
+
+def _field(obj, key: str, check, expected: str, where: str, field: str):
+    """``obj[key]``, which must pass ``check``; else raise naming the file (``where``) and ``field``."""
+    if not isinstance(obj, dict):
+        raise _bad(where, field.rpartition(".")[0] or "the file", f"is {_shown(obj)}, not an object")
+    if key not in obj:
+        raise _bad(where, field, "is missing")
+    value = obj[key]
+    if not check(value):
+        raise _bad(where, field, f"is {_shown(value)}, not {expected}")
+    return value
+
+
+def _check_tensor_infos(meta: dict, key: str, where: str) -> None:
+    infos = _field(meta, key, lambda v: isinstance(v, dict), "an object", where, key)
+    for name, info in infos.items():
+        _field(info, "shape", _is_shape, "a list of sizes", where, f"{key}[{name!r}].shape")
+        _field(info, "dtype", lambda v: isinstance(v, str) and v in DTYPES_BY_NAME, "a dtype zinf saves", where,
+               f"{key}[{name!r}].dtype")
+
+
+def _check_meta(meta, where: str) -> None:
+    """Check ``meta.json``: what :func:`load` and :func:`to_safetensors` use of it."""
+    if not isinstance(meta, dict):
+        raise _bad(where, "the file", f"is {_shown(meta)}, not an object")
+    if meta.get("format") != FORMAT:
+        raise ZinfCheckpointError(f"{where} is of format {_shown(meta.get('format'))}; this zinf reads {FORMAT!r}")
+    world_size = _field(meta, "world_size", lambda v: _is_count(v) and v > 0, "a positive integer", where,
+                        "world_size")
+    _check_tensor_infos(meta, "params", where)
+    _check_tensor_infos(meta, "buffers", where)
+    manifests = _field(meta, "manifests", lambda v: isinstance(v, dict), "an object", where, "manifests")
+    if len(manifests) != world_size:
+        raise _bad(where, "manifests", f"names {len(manifests)} manifest(s) for a save by {world_size} rank(s)")
+    for name, crc in manifests.items():
+        check_file_name(name, "a manifest", f"{where}: manifests")
+        _field(manifests, name, _is_crc, "a CRC32", where, f"manifests[{name!r}]")
+    _field(meta, "fp16_scaler", lambda v: isinstance(v, dict), "an object", where, "fp16_scaler")
+    _field(meta["fp16_scaler"], "scale", _is_number, "a number", where, "fp16_scaler.scale")
+    for key in ("good_steps", "skipped_steps"):
+        _field(meta["fp16_scaler"], key, _is_count, "a count", where, f"fp16_scaler.{key}")
+    optimizer = _field(meta, "optimizer", lambda v: v is None or isinstance(v, dict), "null or an object", where,
+                       "optimizer")
+    if optimizer is not None:
+        _field(optimizer, "class", lambda v: isinstance(v, str), "a class name", where, "optimizer.class")
+        groups = _field(optimizer, "param_groups", lambda v: isinstance(v, list), "a list", where,
+                        "optimizer.param_groups")
+        for index, group in enumerate(groups):
+            _field(group, "params", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+                   "a list of parameter names", where, f"optimizer.param_groups[{index}].params")
+    if "extra" in meta:
+        check_file_name(_field(meta, "extra", lambda v: isinstance(v, dict), "an object", where, "extra").get("file"),
+                        "extra", f"{where}: extra.file")
+        _field(meta["extra"], "crc32", _is_crc, "a CRC32", where, "extra.crc32")
+
+
+def _check_manifest(manifest, where: str, meta: dict) -> int:
+    """Check a rank's manifest against ``meta``; returns its rank."""
+    if not isinstance(manifest, dict):
+        raise _bad(where, "the file", f"is {_shown(manifest)}, not an object")
+    if manifest.get("format") != FORMAT:
+        raise _bad(where, "format", f"is {_shown(manifest.get('format'))}, not {FORMAT!r}")
+    rank = _field(manifest, "rank", lambda v: _is_count(v) and v < meta["world_size"],
+                  f"a rank below the saved world size {meta['world_size']}", where, "rank")
+    data = _field(manifest, "data", lambda v: isinstance(v, dict), "an object", where, "data")
+    check_file_name(data.get("file"), "its data file", f"{where}: data.file")
+    check_data_description(data, where)
+    data_bytes = data["bytes"]
+    sizes = {**{(name, "value"): info["shape"] for name, info in meta["params"].items()},
+             **{(name, "buffer"): info["shape"] for name, info in meta["buffers"].items()}}
+    entries = _field(manifest, "entries", lambda v: isinstance(v, list), "a list", where, "entries")
+    for index, entry in enumerate(entries):
+        at = f"entries[{index}]"
+        name = _field(entry, "name", lambda v: isinstance(v, str), "a name", where, f"{at}.name")
+        kind = _field(entry, "kind", lambda v: v in ("value", "buffer") or (isinstance(v, str) and
+                      v.startswith("state.") and len(v) > len("state.")), "value, buffer or state.<name>", where,
+                      f"{at}.kind")
+        shape = sizes.get((name, "value" if kind.startswith("state.") else kind))
+        if shape is None:
+            raise _bad(where, f"{at}.name", f"is {name!r}, which meta.json lists as no "
+                       f"{'buffer' if kind == 'buffer' else 'parameter'}")
+        numel = math.prod(shape)
+        dtype = DTYPES_BY_NAME[_field(entry, "dtype", lambda v: isinstance(v, str) and v in DTYPES_BY_NAME,
+                                      "a dtype zinf saves", where, f"{at}.dtype")]
+        pieces = _field(entry, "pieces", lambda v: isinstance(v, list), "a list", where, f"{at}.pieces")
+        for number, piece in enumerate(pieces):
+            if not (isinstance(piece, list) and len(piece) == 3 and all(_is_count(n) for n in piece)):
+                raise _bad(where, f"{at}.pieces[{number}]", f"is {_shown(piece)}, not [first, stop, offset]")
+            first, stop, offset = piece
+            if not first <= stop <= numel:
+                raise _bad(where, f"{at}.pieces[{number}]", f"holds elements {first:,}-{stop:,} of {name}, which "
+                           f"has {numel:,}")
+            if offset + (stop - first) * dtype.itemsize > data_bytes:
+                raise _bad(where, f"{at}.pieces[{number}]", f"ends at byte {offset + (stop - first) * dtype.itemsize:,}"
+                           f" of {data['file']}, which has {data_bytes:,}")
+    scalars = _field(manifest, "scalars", lambda v: isinstance(v, dict), "an object", where, "scalars")
+    for name, values in scalars.items():
+        if name not in meta["params"]:
+            raise _bad(where, f"scalars[{name!r}]", "names no parameter of meta.json")
+        _field(scalars, name, lambda v: isinstance(v, dict), "an object", where, f"scalars[{name!r}]")
+        for kind, scalar in values.items():
+            _field(values, kind, lambda v: _is_scalar(kind, v), "[value, dtype] of a scalar zinf saves", where,
+                   f"scalars[{name!r}][{kind!r}]")
+    _check_rng(_field(manifest, "rng", lambda v: isinstance(v, dict), "an object", where, "rng"), where)
+    return rank
+
+
+def _is_scalar(kind: str, scalar) -> bool:
+    """``[value, dtype name]`` of a saved optimizer scalar; a step count is a finite non-negative number."""
+    if not (isinstance(scalar, list) and len(scalar) == 2 and isinstance(scalar[1], str)):
+        return False
+    value, dtype_name = scalar
+    if kind == "step" and not (_is_number(value) and 0 <= value < 2 ** 53):
+        return False
+    if dtype_name == "python":
+        return True
+    if dtype_name not in DTYPES_BY_NAME or not isinstance(value, (int, float, bool)):
+        return False
+    try:
+        torch.tensor(value, dtype=DTYPES_BY_NAME[dtype_name])
+    except (RuntimeError, OverflowError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_rng(rng: dict, where: str) -> None:
+    """The RNG states must be ones :func:`_set_rng_state` can restore (checked on spare generators)."""
+    try:
+        torch.Generator().set_state(torch.frombuffer(bytearray.fromhex(rng["torch"]), dtype=torch.uint8))
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise _bad(where, "rng.torch", f"is not a torch RNG state ({type(err).__name__}: {err})") from None
+    try:
+        random.Random().setstate(_tupled(rng["python"]))
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
+        raise _bad(where, "rng.python", f"is not a Python RNG state ({type(err).__name__}: {err})") from None
+    if "cuda" in rng:
+        states = rng["cuda"]
+        try:
+            if not isinstance(states, list):
+                raise TypeError("not a list")
+            decoded = [bytes.fromhex(state) for state in states]
+        except (TypeError, ValueError) as err:
+            raise _bad(where, "rng.cuda", f"is not a list of CUDA RNG states ({err})") from None
+        if torch.cuda.is_available():
+            for device, state in enumerate(decoded[: torch.cuda.device_count()]):
+                if len(state) != torch.cuda.get_rng_state(device).numel():
+                    raise _bad(where, f"rng.cuda[{device}]", f"has {len(state)} bytes, not a CUDA RNG state of "
+                               f"{torch.cuda.get_rng_state(device).numel()}")
+
+
+def _counts_steps(optimizer) -> bool:
+    """Whether the optimizer's state holds a step count beside its moments (Adam does; SGD's momentum not)."""
+    return issubclass(getattr(optimizer, "inner_class", object), (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _hyper_problems(optimizer, saved_groups: list[dict]) -> list[str]:
+    """Saved hyperparameters whose type differs from the optimizer's (a string lr, a 3-tuple of betas)."""
+    problems = []
+
+    def fits(current, saved) -> bool:
+        if isinstance(current, torch.Tensor) and current.dim() == 0:
+            current = current.item()
+        if current is None:
+            return saved is None or isinstance(saved, (bool, int, float, str))
+        if isinstance(current, bool):
+            return isinstance(saved, bool)
+        if isinstance(current, (int, float)):
+            return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+        if isinstance(current, str):
+            return isinstance(saved, str)
+        if isinstance(current, (tuple, list)):
+            return isinstance(saved, list) and len(saved) == len(current) and all(map(fits, current, saved))
+        return isinstance(saved, (bool, int, float, str)) or saved is None
+
+    for index, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        for key, value in saved.items():
+            if key != "params" and key in group and not fits(group[key], value):
+                problems.append(f"param group {index}'s {key} is {_shown(value)} in the checkpoint, which cannot "
+                                f"replace {group[key]!r}")
+    return problems
+
+
 def _not_committed(path: str) -> str:
     if os.path.isdir(path + ".old") and os.path.exists(os.path.join(path + ".old", COMMIT_MARKER)):
         return (f"no checkpoint at {path}: a save that was replacing it was interrupted; the previous complete "
@@ -485,7 +799,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     counts) when it binds to the shards: now if the model has run, else at
     its first step.  RNG states are restored when the world size is the one
     saved (each rank its own).  ``weights_only`` is passed to ``torch.load``
-    for ``extra``.
+    for ``extra``: True by default, as a checkpoint folder is untrusted input
+    (every file it names must lie in it, every count and offset is checked);
+    pass False only for a checkpoint you trust whose ``extra`` holds objects
+    other than tensors and plain containers.
     """
     path = os.path.abspath(os.fspath(path))
     comm = STORE.comm
@@ -497,16 +814,17 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         checkpoint, error = None, str(err)
     errors = comm.all_gather_object(error, "all_gather of checkpoint metadata checks (load)")
     if any(errors):
+        if checkpoint is not None:
+            checkpoint.close()
         raise ZinfCheckpointError(next(message for message in errors if message))
-    checkpoint.verify(comm)
-    _check_matches(checkpoint, model, optimizer)
-    meta = checkpoint.meta
-    extra = None
-    if "extra" in meta:
-        extra_path = os.path.join(path, meta["extra"]["file"])
-        if _file_crc(extra_path) != meta["extra"]["crc32"]:
-            raise ZinfCheckpointError(f"{extra_path} is corrupt: its CRC32 differs from the one in meta.json")
-        extra = torch.load(extra_path, weights_only=weights_only)
+    try:
+        checkpoint.verify(comm)
+        _check_matches(checkpoint, model, optimizer)
+        meta = checkpoint.meta
+        extra = _read_extra(checkpoint, weights_only) if "extra" in meta else None
+    except BaseException:
+        checkpoint.close()
+        raise
     _load_model(checkpoint, model)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
@@ -530,6 +848,27 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         log.info("zinf.load: saved at world size %d, loaded at %d: RNG states not restored", meta["world_size"],
                  comm.world_size)
     return extra
+
+
+def _read_extra(checkpoint: Checkpoint, weights_only: bool) -> Any:
+    """``extra``, read from the checkpoint folder (never through a link) and checked against its CRC32."""
+    described = checkpoint.meta["extra"]
+    data = read_checked(checkpoint.path, described["file"], described["crc32"], "checkpoint extra",
+                        f"{os.path.join(checkpoint.path, 'meta.json')}: extra.file")
+    extra_path = os.path.join(checkpoint.path, described["file"])
+    try:
+        return torch.load(io.BytesIO(data), weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if not weights_only:
+            raise ZinfCheckpointError(f"checkpoint extra {extra_path} cannot be unpickled ({err})") from err
+        raise ZinfCheckpointError(
+            f"checkpoint extra {extra_path} holds objects that torch.load(weights_only=True) refuses to unpickle "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}). Unpickling them can run any code: "
+            f"only if you trust this checkpoint, pass zinf.load(..., weights_only=False), or save plain "
+            f"containers of tensors and numbers as extra") from err
+    except Exception as err:
+        raise ZinfCheckpointError(f"checkpoint extra {extra_path} cannot be loaded ({type(err).__name__}: "
+                                  f"{err})") from err
 
 
 def _check_matches(checkpoint: Checkpoint, model, optimizer) -> None:
@@ -569,6 +908,14 @@ def _check_matches(checkpoint: Checkpoint, model, optimizer) -> None:
             groups = [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
             if groups != [group["params"] for group in saved_opt["param_groups"]]:
                 problems.append("the optimizer's param groups hold other parameters than the checkpoint's")
+            else:
+                problems += _hyper_problems(optimizer, saved_opt["param_groups"])
+        if _counts_steps(optimizer):
+            stepless = sorted({name for name, kind in checkpoint.pieces if kind.startswith("state.")
+                               and "step" not in checkpoint.scalars.get(name, {})})
+            if stepless:
+                problems.append(f"optimizer state of {stepless[:4]}{' ...' if len(stepless) > 4 else ''} has "
+                                f"moments but no step count (the checkpoint is damaged)")
     if problems:
         raise ZinfCheckpointError(f"checkpoint {checkpoint.path} does not match the model: " + "; ".join(problems)
                                   + ". Nothing was changed.")
@@ -649,7 +996,7 @@ def _slot_state(checkpoint: Checkpoint, slot, name: str) -> dict:
         state[kind] = value if dtype_name == "python" else torch.tensor(value, dtype=DTYPES_BY_NAME[dtype_name])
     kinds = [kind for (saved_name, kind) in checkpoint.pieces if saved_name == name and kind.startswith("state.")]
     for kind in kinds:
-        dtype = checkpoint.pieces[(name, kind)][0][4]
+        dtype = checkpoint.dtype(name, kind)
         if _sharded(record):
             if not record.owns_state:
                 return {}
@@ -657,8 +1004,6 @@ def _slot_state(checkpoint: Checkpoint, slot, name: str) -> dict:
         else:
             value = checkpoint.read_full(name, kind, slot.param.numel(), dtype).view(slot.param.shape)
         state[kind[len("state."):]] = value
-    if kinds and "step" not in state:
-        raise ZinfCheckpointError(f"{checkpoint.path}: optimizer state of {name} has moments but no step count")
     return state if kinds or state else {}
 
 
@@ -672,13 +1017,14 @@ def latest(root: str | os.PathLike) -> str | None:
         return None
     best = None
     for name in os.listdir(root):
-        marker = os.path.join(root, name, COMMIT_MARKER)
-        if name.endswith((".partial", ".old")) or not os.path.exists(marker):
+        folder = os.path.join(root, name)
+        if name.endswith((".partial", ".old")) or not os.path.lexists(os.path.join(folder, COMMIT_MARKER)):
             continue
         try:
-            with open(os.path.join(root, name, "meta.json")) as handle:
-                saved_at = json.load(handle)["saved_at"]
-        except (OSError, ValueError, KeyError):
+            saved_at = read_json_checked(folder, "meta.json", None, "checkpoint metadata")["saved_at"]
+        except (ZinfCheckpointError, TypeError, KeyError):
+            continue
+        if not _is_number(saved_at):
             continue
         if best is None or saved_at > best[0]:
             best = (saved_at, os.path.join(root, name))
@@ -696,12 +1042,12 @@ def to_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> str:
     """
     checkpoint = Checkpoint(os.path.abspath(os.fspath(path)))
     try:
-        for manifest in checkpoint.manifests:
-            verify_data_file(os.path.join(checkpoint.path, manifest["data"]["file"]), manifest["data"])
+        for index in range(len(checkpoint.manifests)):
+            checkpoint.verify_data(index)
         meta = checkpoint.meta
         tensors = [(name, "value", info) for name, info in meta["params"].items()]
         tensors += [(name, "buffer", info) for name, info in meta["buffers"].items()]
-        dtypes = {name: checkpoint.pieces[(name, kind)][0][4] if checkpoint.has(name, kind)
+        dtypes = {name: checkpoint.dtype(name, kind) if checkpoint.has(name, kind)
                   else DTYPES_BY_NAME[info["dtype"]] for name, kind, info in tensors}
         out = os.path.abspath(os.fspath(out))
         os.makedirs(out, exist_ok=True)
@@ -771,7 +1117,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
             writer.close()
             config = getattr(module, "config", None)
             if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(path)
+                _save_config(config, path)
             fsync_dir(path)
     except BaseException:
         if writer is not None:
@@ -779,6 +1125,22 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
         raise
     _barrier(comm, "export to " + path)
     return path
+
+
+def _save_config(config, path: str) -> None:
+    """``config.save_pretrained`` into a fresh private folder, its files then renamed into ``path``.
+
+    ``save_pretrained`` opens ``config.json`` with a plain ``open``, which
+    would write through a link planted at that name; a rename replaces the
+    link instead.
+    """
+    private = tempfile.mkdtemp(prefix=".config-", dir=path)
+    try:
+        config.save_pretrained(private)
+        for name in os.listdir(private):
+            replace_into_place(os.path.join(private, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 @contextlib.contextmanager
