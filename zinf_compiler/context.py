@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import threading
 from typing import Any
 
 import torch
 
+from .module_paths import ModuleBlocks, module_path_from_source
 from .options import ZinfOptions
 
 _graph_ids = itertools.count()
 _graph_ids_lock = threading.Lock()
-
-# `L['self']._modules['l1']._parameters['weight']` -> `l1.weight`
-_MODULE_PATH_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
-
-
-def module_path_from_source(source_name: str) -> str:
-    """The dotted module path a Dynamo source names, or the source itself for plain inputs."""
-    parts = _MODULE_PATH_PART.findall(source_name)
-    return ".".join(parts) if parts else source_name
 
 
 @dataclasses.dataclass
@@ -89,6 +80,14 @@ class CapturedGraph:
     # activations pass offloaded: the backward graph's placeholder of that name
     # receives a handle instead and fetches the value back.
     offloaded_activations: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The graph's module tree as blocks (zinf_compiler/module_paths.py): what the
+    # partition pass buckets by and "block" checkpointing recomputes by.
+    module_blocks: ModuleBlocks = dataclasses.field(default_factory=ModuleBlocks)
+    # At world size > 1: digests the ranks compare before running this graph
+    # (zinf_compiler/runtime/agreement.py): which parameters and buffers it
+    # reads, and the options and shapes that decide its collectives.
+    graph_print: int = 0
+    config_print: int = 0
 
     @classmethod
     def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> "CapturedGraph":
@@ -124,7 +123,8 @@ class CapturedGraph:
             )
             if kind == "param" and is_tensor:
                 param_tensors[position] = example
-        return cls(graph_id=graph_id, options=options, inputs=inputs, param_tensors=param_tensors)
+        return cls(graph_id=graph_id, options=options, inputs=inputs, param_tensors=param_tensors,
+                   module_blocks=ModuleBlocks.from_graph(gm))
 
     @property
     def params(self) -> list[InputInfo]:

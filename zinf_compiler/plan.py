@@ -9,13 +9,15 @@ buckets with :func:`buckets`; the schedule pass sizes every transfer with
 
 Bucketing rule.  Parameters are taken in the order the graph first uses
 them (gathers) or produces their gradients (reductions).  A bucket is a run
-of consecutive parameters of the same *block* (the module path up to its
-first numeric part: ``blocks.3`` for ``blocks.3.attn.qkv.weight``; parameters
-outside any numbered block form runs of their own), closed when its gathered
-bytes would pass ``bucket_bytes`` (or a quarter of ``max_live_bytes`` /
-``device_memory_limit``, where set).  So a transformer block moves as one
-all-gather in forward, one in backward and one reduce-scatter, like FSDP2's
-per-block groups, and a bucket is held no longer than its block runs.
+of consecutive parameters of the same *block* (``blocks.3`` for
+``blocks.3.attn.qkv.weight``: a repeated layer, by ``captured.module_blocks``,
+which "block" checkpointing recomputes by too, see
+zinf_compiler/module_paths.py; parameters outside any block form runs of
+their own), closed when its gathered bytes would pass ``bucket_bytes`` (or
+a quarter of ``max_live_bytes`` / ``device_memory_limit``, where set).  So a
+transformer block moves as one all-gather in forward, one in backward and
+one reduce-scatter, like FSDP2's per-block groups, and a bucket is held no
+longer than its block runs.
 Tiled, integer and ``partition="broadcast"`` parameters move alone, and so
 does every parameter at world size 1 (no collective to save).
 """
@@ -30,13 +32,10 @@ from zinf_compiler.context import GraphContext
 from zinf_compiler.runtime.units import UnitSizes, can_share_unit, unit_of
 
 
-def block_of(name: str) -> str:
-    """The numbered block a parameter belongs to (``blocks.3``), or "" outside any."""
-    parts = name.split(".")
-    for index, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: index + 1])
-    return ""
+def block_of(ctx: GraphContext, slot: int) -> str:
+    """The block the parameter at Dynamo position ``slot`` belongs to (``blocks.3``), or "" outside any."""
+    name = ctx.captured.inputs[slot].name
+    return ctx.captured.module_blocks.block_of(name.rpartition(".")[0]) or ""
 
 
 def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
@@ -54,7 +53,7 @@ def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
     for slot in slots:
         layout = layouts.get(slot)
         nbytes = layout.gathered_numel * layout.compute_dtype.itemsize if layout is not None else 0
-        name_block = block_of(ctx.captured.inputs[slot].name)
+        name_block = block_of(ctx, slot)
         joins = (groups and layout is not None and limit > 0 and name_block == block
                  and held + nbytes <= limit and slot not in groups[-1]
                  and all(can_share_unit(layouts[other], layout) for other in groups[-1][:1]))

@@ -11,11 +11,13 @@ the partitioner (``lower="eager"``); see :func:`joint_graph_hook`.
 
 Policies (option ``activation_checkpointing``):
 
-* ``"block"``: every forward node inside a repeated block (a module whose
-  path has a numeric part, ``blocks.3``, read from Dynamo's
-  ``nn_module_stack``) is ``MUST_RECOMPUTE``, with one ``ac_graph_id`` per
-  block, so the partitioner saves only what enters each block (the boundary
-  between two blocks is saved by PyTorch's ``cleanup_recompute_tags``).
+* ``"block"``: every forward node inside a repeated block (``blocks.3``,
+  the outermost block of the module Dynamo's ``nn_module_stack`` names:
+  ``captured.module_blocks``, which the partition pass buckets by too; see
+  zinf_compiler/module_paths.py) is ``MUST_RECOMPUTE``, with one
+  ``ac_graph_id`` per block, so the partitioner saves only what enters each
+  block (the boundary between two blocks is saved by PyTorch's
+  ``cleanup_recompute_tags``).
   Random ops (dropout) are recomputed with the forward's RNG state: the
   partitioner's ``functionalize_rng_ops`` saves it and replays it.
 * ``"auto"`` without activation offload: PyTorch's knapsack under
@@ -47,7 +49,6 @@ The decisions are recorded on ``captured.activation_plan`` for the dumps.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -55,23 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import ops
 from .context import CapturedGraph
-
-_INDEX = re.compile(r"\[(\d+)\]")
-_ROOT = re.compile(r"^L\[[^\]]*\]\.?")  # Dynamo's name of the compiled module: L['self']
-
-
-def block_of(node: torch.fx.Node) -> str | None:
-    """The repeated block a joint-graph node was traced in (``blocks.3``), or None outside any."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    path = _INDEX.sub(r".\1", _ROOT.sub("", str(path)))  # older spellings: blocks[3]
-    parts = path.split(".")
-    for index, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: index + 1])
-    return None
+from .module_paths import ModuleBlocks
 
 
 def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -119,12 +104,12 @@ def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     return views
 
 
-def tag_blocks(graph: torch.fx.Graph) -> dict[str, int]:
+def tag_blocks(graph: torch.fx.Graph, module_blocks: ModuleBlocks) -> dict[str, int]:
     """``"block"``: recompute every forward node inside a repeated block.  Returns block -> nodes tagged."""
     ids: dict[str, int] = {}
     counts: dict[str, int] = {}
     for node in forward_nodes(graph):
-        block = block_of(node)
+        block = module_blocks.block_of_node(node)
         if block is None:
             continue
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
@@ -258,7 +243,7 @@ def apply_policy(graph: torch.fx.Graph, captured: CapturedGraph) -> None:
     policy = options.activation_checkpointing
     plan: dict[str, Any] = {"policy": policy, "offload": options.offload_activations}
     if policy == "block":
-        plan["blocks"] = tag_blocks(graph)
+        plan["blocks"] = tag_blocks(graph, captured.module_blocks)
     elif policy == "auto":
         plan["random_ops_replayed"] = tag_random_ops(graph)
         saved = saved_by_eager(forward_nodes(graph))
