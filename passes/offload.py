@@ -34,21 +34,21 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
     if tier != "none":
         graph = gm.graph
         for gather in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GATHER_START]:
-            param_node, slots = ops.arg(gather, "param"), ops.arg(gather, "slots")
+            slots, device = ops.arg(gather, "slots"), ops.arg(gather, "device")
             # A tile's gather (the tile pass) fetches only that tile's slice of the shard.
             tile = ops.arg(gather, "tile")
-            label = param_node.name + (f"_and_{len(slots) - 1}" if len(slots) > 1 else "")
+            label = gather.name.removeprefix("gg_start_")
             with graph.inserting_before(gather):
-                after = param_node
+                after = None
                 steps = []
                 if tier == "nvme":
-                    token = call_op(graph, ops.NC_START, (param_node, slots, tile), name=f"nc_start_{label}")
+                    token = call_op(graph, ops.NC_START, (slots, device, tile), name=f"nc_start_{label}")
                     after = call_op(graph, ops.NC_WAIT, (token, slots, tile), name=f"nc_wait_{label}")
                     steps.append("nc")
-                token = call_op(graph, ops.CG_START, (after, slots, tile), name=f"cg_start_{label}")
+                token = call_op(graph, ops.CG_START, (slots, device, after, tile), name=f"cg_start_{label}")
                 after = call_op(graph, ops.CG_WAIT, (token, slots, tile), name=f"cg_wait_{label}")
                 steps.append("cg")
-            gather.args = (param_node, slots, after, tile)
+            gather.args = (slots, device, after, tile)
             gather.kwargs = {}
             for slot in slots:
                 fetched[slot] = steps

@@ -84,9 +84,11 @@ def _gather_bucket(graph: torch.fx.Graph, slots: list[int], members: list) -> No
     order = node_order(graph)
     param_nodes = [param_node for param_node, _ in members]
     label = param_nodes[0].name + (f"_and_{len(slots) - 1}" if len(slots) > 1 else "")
+    shapes = [tuple(param_node.meta["val"].shape) for param_node in param_nodes]
     with graph.inserting_before(first_node([user for _, users in members for user in users], order)):
-        token = call_op(graph, ops.GATHER_START, (param_nodes[0], slots), name=f"gg_start_{label}")
-        gathered = call_op(graph, ops.GATHER_WAIT, (token, param_nodes, slots), name=f"gathered_{label}")
+        token = call_op(graph, ops.GATHER_START, (slots, _device(param_nodes[0])), name=f"gg_start_{label}")
+        gathered = call_op(graph, ops.GATHER_WAIT, (token, slots, *_shape_args(shapes), _dtype(param_nodes[0])),
+                           name=f"gathered_{label}")
         values = [_item(graph, gathered, index, f"gathered_{param_node.name}")
                   for index, param_node in enumerate(param_nodes)]
     for (param_node, users), value in zip(members, values):
@@ -95,6 +97,19 @@ def _gather_bucket(graph: torch.fx.Graph, slots: list[int], members: list) -> No
     order = node_order(graph)
     with graph.inserting_after(last_node([user for value in values for user in value.users], order)):
         call_op(graph, ops.RELEASE, (gathered, slots), name=f"release_{label}")
+
+
+def _device(param_node: torch.fx.Node) -> torch.device:
+    return param_node.meta["val"].device
+
+
+def _dtype(param_node: torch.fx.Node) -> torch.dtype:
+    return param_node.meta["val"].dtype
+
+
+def _shape_args(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """``gather_wait``'s ``sizes`` and ``dims`` for values of ``shapes`` (see ``ops.split_shapes``)."""
+    return [int(size) for shape in shapes for size in shape], [len(shape) for shape in shapes]
 
 
 def _item(graph: torch.fx.Graph, values: torch.fx.Node, index: int, name: str) -> torch.fx.Node:
@@ -111,10 +126,12 @@ def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles
     for weight_slice in weight_tiles:
         tile = weight_slice.meta[TILE_META]["tile"]
         start, stop = weight_slice.meta[TILE_META]["rows"]
+        tile_shape = (stop - start,) + tuple(param_node.meta["val"].shape[1:])
         with graph.inserting_before(weight_slice):
-            token = call_op(graph, ops.GATHER_START, (param_node, [slot], None, tile),
+            token = call_op(graph, ops.GATHER_START, ([slot], _device(param_node), None, tile),
                             name=f"gg_start_{param_node.name}_tile{tile}")
-            gathered = call_op(graph, ops.GATHER_WAIT, (token, [param_node], [slot], tile, stop - start),
+            gathered = call_op(graph, ops.GATHER_WAIT,
+                               (token, [slot], *_shape_args([tile_shape]), _dtype(param_node), tile),
                                name=f"gathered_{param_node.name}_tile{tile}")
             value = _item(graph, gathered, 0, f"{param_node.name}_tile{tile}")
         weight_slice.replace_all_uses_with(value)

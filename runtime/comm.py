@@ -131,6 +131,21 @@ class Comm:
         if self.world_size > 1:
             self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), "rs", 0, what).wait()
 
+    @property
+    def agreement_device(self) -> torch.device:
+        """Where small control tensors go: the process group's device (NCCL: this process's GPU)."""
+        if self.initialized and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_gather_rows(self, row: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
+        """Every rank's small 1-D ``row`` stacked in rank order (bounded by ``collective_timeout``, gloo)."""
+        if self.world_size == 1:
+            return row[None].clone()
+        rows = row.new_empty(self.world_size * row.numel())  # (gloo takes a flat output only)
+        self._work(dist.all_gather_into_tensor(rows, row, async_op=True), "gg", 0, what).wait()
+        return rows.view(self.world_size, row.numel())
+
     def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
         """Every rank's ``obj`` (small, picklable), in rank order; ``[obj]`` at world size 1.
 
@@ -150,6 +165,27 @@ class Comm:
         if self.world_size == 1:
             return _DoneWork()
         return self._work(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes, what)
+
+    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int, what: str = "broadcast") -> None:
+        """Copy rank ``src``'s ``tensors`` into every rank's, in place: one broadcast per dtype and device.
+
+        Counted under "buffers" (model buffers, not ZeRO traffic).
+        """
+        if self.world_size == 1 or not tensors:
+            return
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for group in groups.values():
+            flat = torch.cat([tensor.detach().reshape(-1) for tensor in group])
+            nbytes = flat.numel() * flat.element_size()
+            self._count("buffers", nbytes)
+            self._work(dist.broadcast(flat, src=src, async_op=True), "gg", nbytes, what).wait()
+            at = 0
+            with torch.no_grad():
+                for tensor in group:
+                    tensor.copy_(flat[at : at + tensor.numel()].view_as(tensor))
+                    at += tensor.numel()
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "reduce"):
         """Start summing ``tensor`` over ranks into rank ``dst``'s copy."""

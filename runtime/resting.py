@@ -18,20 +18,39 @@ guard is switched off for the class (one Python call per op on a parameter
 cost ~14 ms per step of a 4-layer GPT); the switch is process-wide, so
 another thread touching a resting parameter during a compiled call is not
 caught.
+
+Other tensors may share a parameter's storage: ``state_dict()`` values
+(``param.detach()``), ``param.data``, views, taken before compiling or inside
+``zinf.gathered``.  Freeing the storage would leave them reading freed memory,
+so :func:`guard_aliases` (called just before it is freed) turns each Python
+one into a :class:`RestingAlias` (or, a parameter, a
+:class:`RestingParameter`): while the parameter holds its full storage again
+(inside ``zinf.gathered``) it reads the current value, as in eager, and
+otherwise any op that would touch its data raises, naming the parameter.
+``param.copy_(alias)`` of the parameter's own alias (``load_state_dict`` of a
+state dict taken before compiling) writes nothing: in eager the alias holds
+the parameter's current value.  A storage that something Python cannot reach
+holds too (a view an autograd graph saved, a tensor of another subclass) is
+not freed at all: the parameter moves to an empty storage of its own, those
+holders keep the values of that moment, and the Python aliases stay errors
+for good (``_zinf_retired``).
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from . import binding
 
-# Tensor methods that read metadata only (attribute getters and setters pass too, but ``.data``).
+# Tensor methods that never touch the data (attribute getters and setters pass too, but ``.data``).
 _METADATA = frozenset(getattr(torch.Tensor, name) for name in (
     "size", "dim", "numel", "stride", "storage_offset", "untyped_storage", "is_contiguous", "element_size",
     "is_floating_point", "is_complex", "nelement", "ndimension", "data_ptr", "requires_grad_", "__hash__",
     "__len__", "get_device", "type", "__reduce_ex__", "_is_view", "is_shared", "is_pinned",
+    "register_hook", "register_post_accumulate_grad_hook",  # (hooks: runtime/grad_hooks.py)
 ))
 
 
@@ -44,15 +63,48 @@ class RestingParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return _checked_call(func, args, kwargs or {})
+
+
+class RestingAlias(torch.Tensor):
+    """A tensor sharing a stage-3 parameter's storage, made one when the storage was freed
+    (see the module docstring).  Ops on it give plain tensors; ``torch.save`` and
+    ``copy.deepcopy`` give plain tensors too, as they would in eager.
+
+    Its ``_zinf_alias_uid`` and ``_zinf_alias_name`` name the parameter (its store record);
+    ``_zinf_retired``: the parameter has moved to another storage, so this one's values are
+    stale for good.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _checked_call(func, args, kwargs or {})
+
+    def __reduce_ex__(self, proto):
+        if _is_resting(self):
+            _refuse(torch.Tensor.__reduce_ex__, self)
         with DisableTorchFunctionSubclass():
-            if not _allowed(func):
-                resting = _first_resting(args, kwargs)
-                if resting is not None:
-                    if func is torch.Tensor.copy_ and args and args[0] is resting:
-                        return _assign(resting, args[1])
-                    _refuse(func, resting)
-            return func(*args, **kwargs)
+            return torch.Tensor._reduce_ex_internal(self, proto)  # saved as a plain tensor, as in eager
+
+    def __deepcopy__(self, memo):
+        if _is_resting(self):
+            _refuse(torch.Tensor.__deepcopy__, self)
+        with DisableTorchFunctionSubclass():
+            plain = self.as_subclass(torch.Tensor)
+            # Kept alive with the memo (``copy``'s own convention), as ``memo`` is keyed by id().
+            memo.setdefault(id(memo), []).append(plain)
+            return torch.Tensor.__deepcopy__(plain, memo)
+
+
+def _checked_call(func, args, kwargs):
+    with DisableTorchFunctionSubclass():
+        if not _allowed(func):
+            resting = _first_resting(args, kwargs)
+            if resting is not None:
+                if func is torch.Tensor.copy_ and args and args[0] is resting:
+                    return _assign(resting, args[1])
+                _refuse(func, resting)
+        return func(*args, **kwargs)
 
 
 def _guard(graph_running: bool) -> None:
@@ -76,8 +128,10 @@ def _allowed(func) -> bool:
 
 
 def _is_resting(value) -> bool:
-    return (isinstance(value, RestingParameter) and value.untyped_storage().nbytes() == 0
-            and value.numel() > 0)
+    """A resting parameter, or an alias of one: its storage is freed (or, ``_zinf_retired``, no longer
+    the parameter's), so its data must not be touched."""
+    return (isinstance(value, (RestingParameter, RestingAlias)) and value.numel() > 0
+            and (value.untyped_storage().nbytes() == 0 or getattr(value, "_zinf_retired", False)))
 
 
 def _first_resting(args, kwargs):
@@ -103,6 +157,17 @@ def _refuse(func, param) -> None:
         what = f".{getattr(getattr(func, '__self__', None), '__name__', 'attribute')}"
     else:
         what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    owner = getattr(param, "_zinf_alias_name", None)
+    if owner is not None:
+        kind = "parameter" if isinstance(param, torch.nn.Parameter) else "tensor"
+        raise ZinfRestingParameterError(
+            f"{what} on a {kind} that shares the storage of stage-3 parameter {owner} (a state_dict() value, "
+            f"param.detach(), param.data or a view, taken before compiling or inside zinf_compiler.gathered): "
+            f"zinf freed that storage, the parameter's data is in its shards. Read current values with "
+            f"zinf_compiler.full_state_dict(model) (every rank must call it); inside "
+            f"`with zinf_compiler.gathered(model):` this {kind} reads the current value again; to keep values "
+            f"past such a block, copy them in it ({{k: v.clone() for k, v in model.state_dict().items()}})"
+        )
     raise ZinfRestingParameterError(
         f"{what} on stage-3 parameter {_name(param)}: zinf keeps its data in shards and the parameter itself "
         f"holds no memory between uses. Read the full values with zinf_compiler.full_state_dict(model) "
@@ -123,5 +188,68 @@ def _assign(param, value):
         raise ZinfRestingParameterError(
             f"copy_ into stage-3 parameter {record.name} with grad enabled: wrap it in torch.no_grad() "
             f"(model.load_state_dict does)")
+    if _is_whole_alias_of(value, record):
+        return param  # in eager this alias holds the parameter's current value: copying it changes nothing
     STORE.assign_full(record, value)
     return param
+
+
+def _is_whole_alias_of(value, record) -> bool:
+    """``value`` is an alias of ``record``'s parameter laid out as the parameter is (a ``state_dict()``
+    value, ``param.detach()``, ``param.data``)."""
+    return (isinstance(value, RestingAlias) and getattr(value, "_zinf_alias_uid", None) == record.uid
+            and value.dtype == record.dtype and tuple(value.shape) == tuple(record.shape)
+            and value.storage_offset() == 0 and value.is_contiguous())
+
+
+def guard_aliases(params) -> set[int]:
+    """Just before stage 3 frees these parameters' storages: guard the Python tensors sharing one.
+
+    ``params``: ``(parameter, record uid, name)`` triples.  A plain tensor sharing
+    a parameter's storage becomes a :class:`RestingAlias`, a plain parameter a
+    :class:`RestingParameter` (both raise instead of reading freed memory).
+    Returns the ``id()`` of each parameter whose storage something else holds
+    as well (a tensor of another subclass, or one only C++ holds: a view an
+    autograd graph saved): its storage must not be freed.  The Python objects
+    are found by one scan of the garbage collector's objects, run only when a
+    storage's use count shows more holders than the parameter.
+    """
+    owners = {}
+    for param, uid, name in params:
+        storage = param.untyped_storage()
+        # Besides the parameter: Python's one storage object per storage (``storage`` here).
+        others = torch._C._storage_Use_Count(storage._cdata) - 2
+        if others > 0:
+            owners[storage._cdata] = {"param": param, "uid": uid, "name": name, "others": others, "found": []}
+    if not owners:
+        return set()
+    from .store import STORE
+
+    with DisableTorchFunctionSubclass():
+        for value in gc.get_objects():
+            if not issubclass(type(value), torch.Tensor):
+                continue
+            try:
+                owner = owners.get(value.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue  # no storage (a wrapper subclass, a sparse tensor)
+            if owner is None or value is owner["param"]:
+                continue
+            if isinstance(value, torch.nn.Parameter) and STORE.lookup(value) is not None:
+                continue  # another adopted parameter on this storage: the storage stays whole for it
+            if type(value) is torch.Tensor:
+                value.__class__ = RestingAlias
+            elif type(value) is torch.nn.Parameter:
+                value.__class__ = RestingParameter
+            elif type(value) not in (RestingAlias, RestingParameter):
+                continue  # another subclass: left as it is, so the storage stays
+            value._zinf_alias_uid, value._zinf_alias_name = owner["uid"], owner["name"]
+            owner["found"].append(value)
+            owner["others"] -= 1
+    kept = set()
+    for owner in owners.values():
+        if owner["others"] > 0:
+            kept.add(id(owner["param"]))
+            for value in owner["found"]:
+                value._zinf_retired = True  # the parameter moves to a new storage: these keep stale values
+    return kept

@@ -31,7 +31,8 @@ from .comm import COMM, Comm
 from .copy_engine import COPIER
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
-from .resting import RestingParameter
+from .grad_hooks import run_grad_hooks
+from .resting import RestingParameter, guard_aliases
 from .ledger import Ledger, ZinfStoreError, merge_ledgers
 from .units import ParamLayout, Segment, Unit, can_share_unit, unit_of
 
@@ -401,16 +402,26 @@ class ParamStore:
         self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.master), ledger=record.ledger)
 
     def release_full_storage(self, records: Iterable[ParamRecord]) -> None:
-        """Stage 3: free the full parameters (once tracing no longer reads them)."""
-        for record in records:
+        """Stage 3: free the full parameters (once tracing no longer reads them).
+
+        Tensors sharing a parameter's storage (``state_dict()`` values, ``p.detach()``,
+        ``p.data``, views) must not be left reading freed memory: :func:`guard_aliases`
+        makes the Python ones raise a clear error instead; a storage something else holds
+        as well (a view an autograd graph saved) is not freed: the parameter moves to an
+        empty storage of its own and leaves the old one, whole, to its holders.
+        """
+        releasing = {id(r): r for r in records if r.stage == 3 and r.param.untyped_storage().nbytes() > 0}
+        kept = guard_aliases([(r.param, r.uid, r.name) for r in releasing.values()])
+        for record in releasing.values():
             param = record.param
-            storage = param.untyped_storage()
-            if record.stage == 3 and storage.nbytes() > 0:
-                self._add_resting("device", -storage.nbytes(), ledger=record.ledger)
-                record.full_storage_bytes = 0
-                storage.resize_(0)
-                if type(param) is torch.nn.Parameter:
-                    param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
+            self._add_resting("device", -param.untyped_storage().nbytes(), ledger=record.ledger)
+            record.full_storage_bytes = 0
+            if id(param) in kept:
+                _move_to_empty_storage(param)
+            else:
+                param.untyped_storage().resize_(0)
+            if type(param) is torch.nn.Parameter:
+                param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
 
     def hold_full_storage(self, record: ParamRecord) -> bool:
         """Stage 3 (``zinf.gathered``): give a resting parameter its full storage back, holding its
@@ -723,6 +734,9 @@ class ParamStore:
         try:
             flats = []
             for piece, grad in zip(unit.pieces, grads):
+                if piece.tile is None:
+                    # Hooks see the whole local gradient before it is averaged, as in eager and DDP.
+                    grad = run_grad_hooks(piece.layout.param, grad.detach(), piece.layout.name)
                 flat = grad.detach().reshape(-1)
                 if flat.numel() != piece.numel:
                     raise ZinfStoreError(f"reduce_grad_start of {piece.layout.name}: a gradient of {flat.numel()} "
@@ -1269,6 +1283,17 @@ def _finish_copies(works: list, staging) -> None:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _move_to_empty_storage(param: torch.nn.Parameter) -> None:
+    """Point ``param`` (same object, shape, strides, dtype and device) at a new empty storage of its
+    own; its old storage stays, untouched, with the other tensors holding it."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        # (No op makes a tensor of this shape on an empty storage: ``set_`` grows the storage to fit.
+        # So this allocates the parameter's bytes for a moment; CPU memory never touched costs nothing.)
+        empty = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+        empty.untyped_storage().resize_(0)
+        param.data = empty
 
 
 def _tile_rows(tile_rows, param: torch.Tensor) -> tuple[int, ...] | None:

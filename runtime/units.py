@@ -389,5 +389,6 @@ def can_share_unit(first: ParamLayout, other: ParamLayout) -> bool:
     """Whether two whole parameters may go in one bucket (one collective moves both)."""
     return (first.partition == other.partition == "allgather" and first.tile_rows is None
             and other.tile_rows is None and first.compute_dtype == other.compute_dtype
+            and first.dtype == other.dtype  # (one dtype per gather_wait)
             and first.device == other.device and first.param_tier == other.param_tier
             and first.world_size == other.world_size)

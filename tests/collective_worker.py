@@ -3,6 +3,7 @@
 Both ranks train one step together; then only rank 0 calls full_state_dict,
 a collective.  Rank 0 must get a ZinfCollectiveTimeout naming the call
 within collective_timeout instead of hanging; rank 1 stays alive meanwhile.
+Both then exit normally.
 """
 
 import json
@@ -41,7 +42,9 @@ def main() -> None:
         time.sleep(4 * TIMEOUT_SECONDS)  # alive but never joining: the hang the timeout must end
     with open(os.environ["ZINFTEST_OUT"], "w") as out:
         json.dump(result, out)
-    os._exit(0)  # the process group is wedged by the unmatched call: do not wait in its teardown
+    # After the timeout the process must still be able to exit normally (issue 25, point 6): tear down
+    # the process group and return (run_ranks fails on a rank that hangs here).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -608,8 +608,11 @@ def test_swap_folder_is_removed_when_the_process_is_terminated_or_interrupted(si
     import sys
     import textwrap
 
+    # The child restores Python's own SIGINT handler: launched from a background job its parent
+    # may ignore SIGINT, and the ignoring would be inherited (a real Ctrl-C raises KeyboardInterrupt).
     script = textwrap.dedent(f"""
-        import mmap, sys
+        import mmap, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from zinf_compiler.runtime.aio import AioEngine
         engine = AioEngine({str(tmp_path)!r})
         engine.write("k", mmap.mmap(-1, 4096), 10).wait()

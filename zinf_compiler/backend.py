@@ -26,11 +26,13 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .context import CapturedGraph, GraphContext
-from .cost_model import CostModel, profile_machine
+from .cost_model import CostModel, _agreed_free_bytes, is_profiled, profile_machine
+from .runtime import agreement
 from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
 from .runtime.activations import ACTIVATIONS, count_saved
 from .runtime.binding import Binding, bind_backward, bound, compiled_backward_nodes
+from .runtime.grad_hooks import claim_grad_hooks
 from .runtime.binding import active as binding_active
 from .runtime.store import DTYPES, STORE, ZinfStoreError
 from .runtime.units import layout_of
@@ -65,6 +67,8 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
     STORE.comm.timeout = options.collective_timeout  # the process's collectives: the last compile's setting
+    if captured.world_size > 1:
+        _agree_before_compiling(captured)
     adopted = []
     if options.stage > 0:
         from .optim import install_module_zero_grad
@@ -105,23 +109,70 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     STORE.release_full_storage(adopted)
     # The compiled graph serves any module Dynamo hands it: it must not keep this one alive.
     captured.param_tensors = {}
-    if options.stage == 0:
-        # Nothing adopted: the graph's ops (stage-0 all-reduce) name no parameter.
-        return _count_saved_activations(compiled)
-    return _bind_at_run_time(compiled, captured)
+    return _run_time_wrapper(compiled, captured)
 
 
-def _count_saved_activations(compiled: Callable) -> Callable:
-    """Wrap ``compiled`` so the device bytes each call saves for backward are counted (the process's ledger)."""
+# Options each rank may set for itself: they change no collective.
+_RANK_LOCAL_OPTIONS = frozenset({"dump_dir", "trace_step", "nvme_path", "aio_block_size", "aio_queue_depth",
+                                 "aio_threads", "pinned_bytes", "collective_timeout", "lower", "nvme_grad_ram_bytes",
+                                 "rank_agreement"})
 
-    def run(*args):
-        outputs = compiled(*args)
-        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-        count_saved(compiled_backward_nodes(outputs), list(inputs), None)
-        return outputs
 
-    functools.update_wrapper(run, compiled)
-    return run
+def _agree_before_compiling(captured: CapturedGraph) -> None:
+    """At world size > 1: fingerprint the graph, and agree with the other ranks before any collective.
+
+    The graph's identity is the parameters and buffers it reads, in order (a
+    recompile for other input shapes on one rank runs the same collectives);
+    its configuration is the options that decide collectives and the shapes of
+    those tensors.  A compile that runs collectives (profiling the machine,
+    sharding new parameters) must be one all ranks make together: it exchanges
+    its fingerprints first (see runtime/agreement.py).
+    """
+    state = [(info.kind, info.name) for info in captured.inputs if info.kind in ("param", "buffer")]
+    options = {name: value for name, value in dataclasses.asdict(captured.options).items()
+               if name not in _RANK_LOCAL_OPTIONS}
+    shapes = {info.name: (list(info.shape), str(info.dtype)) for info in captured.inputs
+              if info.kind in ("param", "buffer")}
+    captured.graph_print = agreement.fingerprint(state)
+    captured.config_print = agreement.fingerprint(sorted(options.items(), key=str), sorted(shapes.items()))
+    devices = [param.device for param in captured.param_tensors.values()]
+    device = devices[0] if devices else torch.device("cpu")
+    offloads = (captured.options.offload_param, captured.options.offload_optimizer,
+                captured.options.offload_activations)
+    runs_collectives = (not is_profiled(device, DTYPES[captured.options.param_dtype],
+                                        captured.options.nvme_path if "nvme" in offloads else None,
+                                        captured.world_size)
+                        or (captured.options.stage > 0
+                            and any(STORE.lookup(param) is None for param in captured.param_tensors.values())))
+    if runs_collectives:
+        _agree(captured, agreement.COMPILE)
+
+
+def _agree(captured: CapturedGraph, doing: int) -> None:
+    def describe() -> dict:
+        params = [info.name for info in captured.params]
+        words = (f"graph {captured.graph_id} (parameters {', '.join(params[:3])}"
+                 f"{f' and {len(params) - 3} more' if len(params) > 3 else ''})" if params else
+                 f"graph {captured.graph_id} (no parameters)")
+        return {"graph": words,
+                "options": {name: value for name, value in dataclasses.asdict(captured.options).items()
+                            if name not in _RANK_LOCAL_OPTIONS},
+                "params": {info.name: list(info.shape) for info in captured.inputs
+                           if info.kind in ("param", "buffer") and info.shape is not None}}
+
+    agreement.check(STORE.comm, doing, captured.graph_print, captured.config_print, describe)
+
+
+def _agree_before_backward(outputs, captured: CapturedGraph) -> None:
+    """Each backward of this call first agrees with the other ranks (an autograd pre-hook)."""
+    for node in compiled_backward_nodes(outputs):
+        if _AGREEMENT_KEY in node.metadata:
+            continue  # an earlier call's node, passed through: it checks for itself
+        node.metadata[_AGREEMENT_KEY] = True
+        node.register_prehook(lambda grad_outputs: _agree(captured, agreement.BACKWARD))
+
+
+_AGREEMENT_KEY = "zinf_rank_agreement"
 
 
 def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows, ledger):
@@ -144,15 +195,23 @@ def _check_materialized(captured: CapturedGraph) -> None:
         )
 
 
-def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
-    """Wrap ``compiled`` so each call runs on the parameters it is handed (see runtime/binding.py).
+def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
+    """Wrap ``compiled`` for each call: rank 0's buffers first, then the call's own parameters bound.
 
-    A parameter this graph has not seen (another instance of the same module
-    class, the next block after a graph break, a model built after an old
-    one) is adopted at its first call, with the layout the graph was compiled
-    for.
+    * At world size > 1 with ``broadcast_buffers`` (DDP's default), the
+      buffers the graph reads are copied from rank 0 before it runs.
+    * Stages 1-3: the call runs on the parameters it is handed (see
+      runtime/binding.py).  A parameter this graph has not seen (another
+      instance of the same module class, the next block after a graph break,
+      a model built after an old one) is adopted at its first call, with the
+      layout the graph was compiled for.
+    * The device bytes each call saves for backward are counted, in the
+      model's ledger (stage 0: the process's).
     """
     slots = [info.position for info in captured.params]
+    check_calls = captured.world_size > 1 and captured.options.rank_agreement == "call"
+    buffer_slots = ([info.position for info in captured.inputs if info.kind == "buffer"]
+                    if captured.options.broadcast_buffers and captured.world_size > 1 else [])
 
     def bind(args) -> Binding:
         STORE.collect()
@@ -174,13 +233,29 @@ def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
                                  device_memory_limit=captured.options.device_memory_limit)
             for slot in unseen:
                 records[slot] = _adopt_at_run_time(captured, slot, args[slot], ledger)
+        if captured.options.stage >= 2:
+            for slot, record in records.items():
+                claim_grad_hooks(args[slot], record.name, tiled=record.tile_rows is not None)
         return Binding(records, captured.graph_id)
 
     def run(*args):
         # Boxed (one list of inputs) or not, as Dynamo calls ``compiled``: graph
         # inputs are tensors and numbers, never a list.
         boxed = len(args) == 1 and isinstance(args[0], list)
-        binding = bind(args[0] if boxed else args)
+        inputs = args[0] if boxed else args
+        if check_calls:
+            _agree(captured, agreement.FORWARD)
+        if buffer_slots:
+            STORE.comm.broadcast_coalesced([inputs[slot] for slot in buffer_slots], src=0,
+                                           what=f"broadcast of graph {captured.graph_id}'s buffers from rank 0")
+        if captured.options.stage == 0:
+            # Stage 0: no parameter is bound; the graph's ops (stage-0 all-reduce) name none.
+            outputs = compiled(*args)
+            if check_calls:
+                _agree_before_backward(outputs, captured)
+            count_saved(compiled_backward_nodes(outputs), list(inputs), None)
+            return outputs
+        binding = bind(inputs)
         if not binding_active():
             # Transfers left in flight by a graph that raised half way (forward or
             # backward) would pair with this call's waits: drop them first.
@@ -188,7 +263,8 @@ def _bind_at_run_time(compiled: Callable, captured: CapturedGraph) -> Callable:
         with bound(binding):
             outputs = compiled(*args)
         bind_backward(outputs, binding)
-        inputs = args[0] if boxed else args
+        if check_calls:
+            _agree_before_backward(outputs, captured)
         ledger = next(iter(binding.records.values())).ledger if binding.records else None
         count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
         return outputs
@@ -225,8 +301,8 @@ def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
         return options.device_memory_limit
     devices = {param.device for param in captured.param_tensors.values()}
     if len(devices) == 1 and (device := devices.pop()).type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        return free_bytes
+        # The least any rank has: every rank must tile alike (the tiles' gathers are collectives).
+        return _agreed_free_bytes(device, captured.world_size)
     return None
 
 

@@ -86,6 +86,14 @@ def nominal_profile(device: str = "cpu", dtype: str = "fp32") -> MachineProfile:
                           free_device_bytes=None, source="nominal")
 
 
+def is_profiled(device: torch.device, dtype: torch.dtype, nvme_path: str | None, world_size: int) -> bool:
+    """Whether :func:`profile_machine` has these rates already (then it runs no collective)."""
+    if os.environ.get("ZINF_COST_PROFILE", "").lower() == "nominal":
+        return True
+    with _cache_lock:
+        return (str(device), dtype, nvme_path, world_size) in _cache
+
+
 def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | None, world_size: int) -> MachineProfile:
     """The rates of ``device`` (measured once per process and key; see the module docstring).
 

@@ -28,9 +28,11 @@ def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
     return next(node for node in reversed(graph.nodes) if node.op == "output")
 
 
-def _fake_mode(args: tuple) -> Any:
+def _fake_mode(graph: torch.fx.Graph, args: tuple) -> Any:
+    """The fake mode of ``args``' values, else of the graph's inputs (an op may take no tensor)."""
     found = []
     torch.fx.node.map_arg(args, lambda node: found.append(node.meta.get("val")))
+    found += [node.meta.get("val") for node in graph.nodes if node.op == "placeholder"]
     for value in found:
         if isinstance(value, FakeTensor):
             return value.fake_mode
@@ -42,7 +44,7 @@ def call_op(graph: torch.fx.Graph, op: Any, args: tuple, name: str | None = None
     node = graph.call_function(op, args)
     if name:
         node._rename(name)
-    mode = _fake_mode(args)
+    mode = _fake_mode(graph, args)
     if mode is not None:
         fake_args = torch.fx.node.map_arg(args, lambda node: node.meta["val"])
         with mode:

@@ -8,9 +8,9 @@ nodes; it never changes what they mean.  Each op moves one *unit*
 one row tile of one) and names its parameters by *slot*: their positions among
 the Dynamo graph's inputs, resolved at run time against the parameters of the
 call in progress (:mod:`zinf_compiler.runtime.binding`), so one compiled graph
-serves every module Dynamo hands it.  Each op has a fake kernel for tracing, and ops that
-return nothing are marked side-effecting so that dead code elimination keeps
-them.
+serves every module Dynamo hands it.  Each op has a fake kernel for tracing; ops that
+return nothing, and starts that take no tensor (nothing a compiler could fold
+or merge them by), are marked side-effecting so that they are kept as placed.
 """
 
 from __future__ import annotations
@@ -32,72 +32,100 @@ def _unit(slots: list[int], tile: int):
     return STORE.unit([binding_now.record(slot) for slot in slots], None if tile < 0 else tile)
 
 
-def _token(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=like.device)
+def _token(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+# No op takes a stage-3 parameter itself as an input: between uses its storage
+# holds nothing, and a compiler pass that reads an op's inputs (Inductor's
+# channels-last layout for a convolution's weight copied the parameter before
+# its gather) would read freed memory.  The ops name parameters by slot and take
+# their device, shapes and dtype as plain arguments; only gathered values,
+# gradients and tokens flow between nodes.  (The verifier checks this.)
 
 
 @torch.library.custom_op("zinf::nc_start", mutates_args=())
-def nc_start(param: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
+def nc_start(slots: list[int], device: torch.device, tile: int = -1) -> torch.Tensor:
     """Begin reading the shards of the parameters in ``slots`` (or of one's ``tile``) from NVMe into a pinned buffer.
 
-    ``param``: the first one's placeholder (gives the token its device).
+    ``device``: the parameters' device (the token's).
     """
     STORE.nc_start(_unit(slots, tile))
-    return _token(param)
+    return _token(device)
+
+
+@nc_start.register_fake
+def _(slots, device, tile=-1):
+    return torch.empty(0, dtype=torch.uint8, device=device)
 
 
 @torch.library.custom_op("zinf::nc_wait", mutates_args=())
 def nc_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
     """Finish the NVMe read; returns a token ordering the CPU-to-device copy after it."""
     STORE.nc_wait(_unit(slots, tile))
-    return _token(token)
+    return _token(token.device)
 
 
 @torch.library.custom_op("zinf::cg_start", mutates_args=())
-def cg_start(after: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
-    """Begin copying the shards of ``slots`` (or their slice of ``tile``) from CPU memory to the device."""
+def cg_start(slots: list[int], device: torch.device, after: torch.Tensor | None = None,
+             tile: int = -1) -> torch.Tensor:
+    """Begin copying the shards of ``slots`` (or their slice of ``tile``) from CPU memory to the device.
+
+    ``after``: the token of the NVMe read (nc) that staged them, if any.
+    """
     STORE.cg_start(_unit(slots, tile))
-    return _token(after)
+    return _token(device)
 
 
 @torch.library.custom_op("zinf::cg_wait", mutates_args=())
 def cg_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
     """Finish the copy; the shards are staged on the device for the gather."""
     STORE.cg_wait(_unit(slots, tile))
-    return _token(token)
+    return _token(token.device)
 
 
 @torch.library.custom_op("zinf::gather_start", mutates_args=())
-def gather_start(param: torch.Tensor, slots: list[int], after: torch.Tensor | None = None,
+def gather_start(slots: list[int], device: torch.device, after: torch.Tensor | None = None,
                  tile: int = -1) -> torch.Tensor:
-    """Begin assembling the full parameters in ``slots`` with one collective (``param``: the first's placeholder).
+    """Begin assembling the full parameters in ``slots`` with one collective.
 
     ``after``: the token of the fetch (cg) that staged the shards, if any.
     ``tile`` >= 0: assemble only that row tile of the one tiled parameter.
     """
     STORE.gather_start(_unit(slots, tile))
-    return _token(param)
+    return _token(device)
 
 
-for _token_op in (nc_start, nc_wait, cg_start, cg_wait, gather_start):
-    _token_op.register_fake(lambda first, *rest: first.new_empty(0, dtype=torch.uint8))
+for _token_op in (cg_start, gather_start):
+    _token_op.register_fake(lambda slots, device, after=None, tile=-1: torch.empty(0, dtype=torch.uint8,
+                                                                                    device=device))
+for _token_op in (nc_wait, cg_wait):
+    _token_op.register_fake(lambda token, slots, tile=-1: token.new_empty(0, dtype=torch.uint8))
 
 
 @torch.library.custom_op("zinf::gather_wait", mutates_args=())
-def gather_wait(token: torch.Tensor, params: list[torch.Tensor], slots: list[int], tile: int = -1,
-                tile_rows: int = 0) -> list[torch.Tensor]:
-    """Finish the gather started with ``token``: the full parameters, shaped like ``params``.
+def gather_wait(token: torch.Tensor, slots: list[int], sizes: list[int], dims: list[int],
+                dtype: torch.dtype, tile: int = -1) -> list[torch.Tensor]:
+    """Finish the gather started with ``token``: the full parameters (or ``tile``: that row tile of the one).
 
-    ``tile`` >= 0: only that row tile, ``tile_rows`` rows of the one parameter.
+    Their shapes, for tracing: ``dims[i]`` sizes each, one after another in
+    ``sizes``; all of ``dtype`` (one bucket holds one dtype), on the token's device.
     """
     return STORE.gather_wait(_unit(slots, tile))
 
 
 @gather_wait.register_fake
-def _(token, params, slots, tile=-1, tile_rows=0):
-    if tile >= 0:
-        return [params[0].new_empty((tile_rows,) + tuple(params[0].shape[1:]))]
-    return [torch.empty_like(param, memory_format=torch.contiguous_format) for param in params]
+def _(token, slots, sizes, dims, dtype, tile=-1):
+    return [torch.empty(shape, dtype=dtype, device=token.device) for shape in split_shapes(sizes, dims)]
+
+
+def split_shapes(sizes: list[int], dims: list[int]) -> list[list[int]]:
+    """``gather_wait``'s shapes: ``dims[i]`` sizes each, one after another in ``sizes``."""
+    shapes, at = [], 0
+    for ndim in dims:
+        shapes.append(list(sizes[at : at + ndim]))
+        at += ndim
+    return shapes
 
 
 @torch.library.custom_op("zinf::release", mutates_args=())
@@ -115,7 +143,7 @@ def _(gathered, slots, tile=-1):
 def reduce_grad_start(grads: list[torch.Tensor], slots: list[int], tile: int = -1) -> torch.Tensor:
     """Begin reducing the gradients of the parameters in ``slots`` (of row ``tile``, if >= 0) with one collective."""
     STORE.reduce_grad_start(_unit(slots, tile), grads)
-    return _token(grads[0])
+    return _token(grads[0].device)
 
 
 @reduce_grad_start.register_fake
@@ -210,7 +238,7 @@ def _(token, handle, shape, stride, dtype, device):
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-for _op in (release, reduce_grad_wait, act_offload_wait):
+for _op in (nc_start, cg_start, gather_start, release, reduce_grad_wait, act_offload_wait):
     torch.fx.has_side_effect(_op._opoverload)
 
 NC_START = torch.ops.zinf.nc_start.default

@@ -86,6 +86,14 @@ def _int_at_least(low: int) -> Callable[[Any], int]:
     return parse
 
 
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ValueError("True or False")
+
+
 def _fraction_or_bytes(value: Any) -> float | int:
     """A fraction in (0, 1] (a float, or a string such as ``"0.5"``) or a byte count (int or ``"2GiB"``)."""
     if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*(0?\.[0-9]+|1\.0*)\s*", value)):
@@ -191,6 +199,14 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("collective_timeout", 600, _int_at_least(1),
                "seconds a collective waits for the other ranks before an error naming it (gloo; NCCL "
                "uses the process group's timeout)"),
+    OptionSpec("rank_agreement", "call", _choice("call", "compile"),
+               "at world size > 1, ranks exchange a fingerprint of the graph and options before each compiled "
+               "call (forward and backward) and each compile that runs collectives, and raise naming what differs "
+               "instead of pairing the wrong collectives; compile: only at compiles (saves a tiny all-gather, and "
+               "on NCCL a host sync, per call)"),
+    OptionSpec("broadcast_buffers", True, _boolean,
+               "at world size > 1, each compiled graph first copies rank 0's buffers (BatchNorm running "
+               "statistics) to every rank, as DistributedDataParallel's default does; False: each rank keeps its own"),
     OptionSpec("lower", "inductor", _choice("inductor", "eager"),
                "how rewritten graphs run: Inductor, or the FX graph's own Python code"),
     OptionSpec("dump_dir", None, _path_or_none, "write inspection dumps here"),
@@ -235,6 +251,8 @@ class ZinfOptions:
     nvme_copies: int
     pinned_bytes: int | str
     collective_timeout: int
+    rank_agreement: str
+    broadcast_buffers: bool
     lower: str
     dump_dir: str | None
     trace_step: int

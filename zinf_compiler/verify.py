@@ -34,8 +34,10 @@ def verify_graph(
     Checks: FX lint (every use defined before it, one output node); the
     graph's calling signature is the one AOTAutograd compiled against; every
     call_function target is callable; every async start has exactly one wait
-    and every gathered parameter exactly one release; the generated Python
-    compiles.
+    and every gathered parameter exactly one release; once the partition
+    pass has run at stage 3, nothing but the output reads a parameter input
+    (it holds no memory between uses: only gathered values may be read); the
+    generated Python compiles.
     """
     where = f"graph {ctx.graph_id} {ctx.kind}, after {stage!r}"
     try:
@@ -58,6 +60,14 @@ def verify_graph(
             releases = [user for user in node.users if user.target is ops.RELEASE]
             if len(releases) != 1:
                 raise ZinfVerifyError(f"{where}: gathered parameter {node.name} has {len(releases)} releases, needs one")
+    if ctx.options.stage == 3 and "gathered" in ctx.facts:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and node.name in ctx.params:
+                readers = [user.name for user in node.users if user.op != "output"]
+                if readers:
+                    raise ZinfVerifyError(
+                        f"{where}: stage-3 parameter input {node.name} ({ctx.params[node.name].name}) is read by "
+                        f"{readers}; between uses it holds no memory, so only its gathered value may be read")
     try:
         gm.recompile()
     except Exception as err:
