@@ -135,7 +135,6 @@ class ParamStore:
         self._lock = threading.RLock()
         self._owned_bytes_by_rank: dict[int, int] = {}
         self._grad_ram_reserved = 0  # bytes of nvme-tier gradients adopted to stay in RAM (nvme_grad_ram_bytes)
-        self.fp16_scaler = Fp16GradScaler()
         # NVMe swap and the pinned pool: made on first need (see configure_offload).
         self._engines: dict[str, AioEngine] = {}
         self.pinned: PinnedPool | None = None
@@ -742,7 +741,7 @@ class ParamStore:
                     raise ZinfStoreError(f"reduce_grad_start of {piece.layout.name}: a gradient of {flat.numel()} "
                                          f"elements for {piece.numel}")
                 if unit.compute_dtype == torch.float16:
-                    flat = flat * self.fp16_scaler.scale  # keep small gradients representable in fp16
+                    flat = flat * ledger.fp16_scaler.scale  # keep small gradients representable in fp16
                 flats.append(flat)
             if unit.sizes.reduce == 0:
                 # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
@@ -790,8 +789,9 @@ class ParamStore:
             if unit.world_size > 1:
                 out = out / unit.world_size
         if unit.compute_dtype == torch.float16:
-            out = out.to(torch.float32) / self.fp16_scaler.scale
-            self.fp16_scaler.check(out)
+            scaler = self._ledger_of(unit).fp16_scaler  # the model's own (one model's overflow is not another's)
+            out = out.to(torch.float32) / scaler.scale
+            scaler.check(out)
         whole = len(unit.pieces) == 1  # ``out`` is then the piece's own, fresh tensor
         for index, piece in enumerate(unit.pieces):
             start = unit.offsets[index]
@@ -1182,46 +1182,6 @@ class ParamStore:
 def _tier_memory(tier: str) -> str:
     """The memory a tier's tensors occupy: nvme-tier state is staged in CPU memory."""
     return "device" if tier == "device" else "cpu"
-
-
-class Fp16GradScaler:
-    """Dynamic scaling of gradients on their way through fp16 (``param_dtype="fp16"``).
-
-    The graph computes in the model's own dtype; gradients become fp16 only
-    to be reduced.  They are multiplied by ``scale`` before that cast and
-    divided after it, so that small values survive.  An inf or nan seen on
-    any rank skips the optimizer step and halves the scale; ``growth_interval``
-    good steps in a row double it (the policy of ``torch.amp.GradScaler``).
-    """
-
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000):
-        self.scale = init_scale
-        self.growth_interval = growth_interval
-        self.found_inf = False
-        self.good_steps = 0
-        self.skipped_steps = 0
-
-    def check(self, reduced_grad: torch.Tensor) -> None:
-        if not self.found_inf and not bool(torch.isfinite(reduced_grad).all()):
-            self.found_inf = True
-
-    def should_skip_step(self, comm: Comm, device: torch.device) -> bool:
-        """Agree over ranks whether any saw an overflow, update the scale, reset the flag.
-
-        ``device``: where the flag is reduced (NCCL reduces device tensors only).
-        """
-        flag = torch.tensor(1.0 if self.found_inf else 0.0, device=device)
-        comm.all_reduce_sum(flag, "all_reduce of the fp16 overflow flag (optimizer step)")
-        self.found_inf = False
-        if flag.item() > 0:
-            self.scale /= 2.0
-            self.good_steps = 0
-            self.skipped_steps += 1
-            return True
-        self.good_steps += 1
-        if self.good_steps % self.growth_interval == 0:
-            self.scale *= 2.0
-        return False
 
 
 def _finish_oldest_write(writes: list) -> None:

@@ -50,7 +50,7 @@ def test_low_precision_trains_like_fp32():
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     model, compiled, opt, _ = _train("fp16", steps=1)
     before = zinf.full_state_dict(compiled)
-    scaler = STORE.fp16_scaler
+    scaler = STORE.lookup(next(model.parameters())).ledger.fp16_scaler
     scaler.scale = 1e30  # any gradient times this is inf in fp16
     idx, targets = synthetic_batches(CFG, 8, 1, seed=1)[0]
     compiled(idx, targets).backward()
@@ -64,3 +64,36 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     opt.step()
     after_good_step = zinf.full_state_dict(compiled)
     assert not torch.equal(before["wte.weight"], after_good_step["wte.weight"])
+
+
+def test_each_model_has_its_own_fp16_loss_scale(tmp_path):
+    # Before (issue 27): one scaler for the process; an overflow in model A skipped model B's step too and
+    # halved B's scale, and a checkpoint of either saved the shared scale.
+    first = _train("fp16", steps=1)
+    torch.manual_seed(1)
+    other_model = GPT(CFG)
+    other = torch.compile(other_model, backend="zinf", options={"lower": "eager", "stage": 3, "param_dtype": "fp16"})
+    other_opt = zinf.optim.AdamW(other_model.parameters(), lr=3e-3)
+    first_scaler = STORE.lookup(next(first[0].parameters())).ledger.fp16_scaler
+    idx, targets = synthetic_batches(CFG, 8, 1, seed=2)[0]
+    other(idx, targets).backward()  # adopts other's parameters
+    other_opt.zero_grad()
+    other_scaler = STORE.lookup(next(other_model.parameters())).ledger.fp16_scaler
+    assert other_scaler is not first_scaler
+    first_scaler.scale = 1e30  # the first model overflows at its next step
+    before = zinf.full_state_dict(other)
+    for compiled, opt in ((first[1], first[2]), (other, other_opt)):
+        compiled(idx, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    assert first_scaler.scale == 5e29 and first_scaler.skipped_steps == 1
+    assert other_scaler.scale == 2.0**16 and other_scaler.skipped_steps == 0
+    after = zinf.full_state_dict(other)
+    assert not torch.equal(before["wte.weight"], after["wte.weight"])  # the second model stepped
+    # Each checkpoint keeps its own model's scale, and loads it into that model's ledger.
+    zinf.save(str(tmp_path / "first"), first[1], first[2])
+    zinf.save(str(tmp_path / "other"), other, other_opt)
+    first_scaler.scale = other_scaler.scale = 1.0
+    zinf.load(str(tmp_path / "first"), first[1], first[2])
+    zinf.load(str(tmp_path / "other"), other, other_opt)
+    assert (first_scaler.scale, other_scaler.scale) == (5e29, 2.0**16)

@@ -415,8 +415,7 @@ def _meta(model, optimizer, world_size: int, manifests: dict[str, int]) -> dict:
                for name, b in _named_buffers(model, {id(p) for _, p in named})}
     meta = {"format": FORMAT, "world_size": world_size, "params": params, "buffers": buffers,
             "manifests": manifests, "saved_at": time.time(),
-            "fp16_scaler": {"scale": STORE.fp16_scaler.scale, "good_steps": STORE.fp16_scaler.good_steps,
-                            "skipped_steps": STORE.fp16_scaler.skipped_steps},
+            "fp16_scaler": STORE.group([param for _, param in named]).fp16_scaler.state(),  # this model's
             "optimizer": None}
     if optimizer is not None:
         names = {id(p): name for name, p in named}
@@ -838,10 +837,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             optimizer._bind()  # the binding is final: apply the state now
     else:
         checkpoint.close()
-    scaler = meta["fp16_scaler"]
-    STORE.fp16_scaler.scale = scaler["scale"]
-    STORE.fp16_scaler.good_steps = scaler["good_steps"]
-    STORE.fp16_scaler.skipped_steps = scaler["skipped_steps"]
+    # Into this model's ledger (made now if it has none yet: its parameters join it when adopted).
+    STORE.group([param for _, param in _named_params(model)]).fp16_scaler.load_state(meta["fp16_scaler"])
     if meta["world_size"] == comm.world_size:
         _set_rng_state(checkpoint.manifests[comm.rank]["rng"])
     else:

@@ -238,7 +238,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
             # On the compute device: the shard may rest on the CPU, which NCCL cannot reduce.
-            if STORE.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].device):
+            # The scale of this optimizer's model (its parameters share one ledger: ParamStore.group).
+            if fp16_records[0].ledger.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].device):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 STORE.drop_grads(self._records())
                 TRACER.step_done()
