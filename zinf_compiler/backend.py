@@ -71,9 +71,9 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         _agree_before_compiling(captured)
     adopted = []
     if options.stage > 0:
-        from .optim import install_module_zero_grad
+        from . import torch_patches
 
-        install_module_zero_grad()  # model.zero_grad() must clear gradient shards too
+        torch_patches.install()  # clipping, model.zero_grad() and torch optimizers must see the shards
         _check_materialized(captured)
         plan_offload(list(captured.param_tensors.values()), options)
         from zinf_compiler.passes import tile as tile_pass

@@ -17,13 +17,11 @@ per-rank optimizer checkpoints); load it into the same world size.
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zinf_compiler.runtime.aio import AioError
 from zinf_compiler.runtime.host_memory import trim
@@ -54,6 +52,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
     inner_class: type[torch.optim.Optimizer]
 
     def __init__(self, params: Iterable, **defaults: Any):
+        from . import torch_patches
+
+        torch_patches.install()  # clipping, zero_grad and foreign optimizers see zinf's shards
         super().__init__(params, defaults)
         meta = [p for group in self.param_groups for p in group["params"] if p.is_meta]
         if meta:
@@ -155,7 +156,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if not kwargs:
                 raise
             inner = self.inner_class(inner_groups)  # fused unsupported for these tensors
-        inner._zinf_inner = True  # steps zinf's masters: not refused by _refuse_foreign_optimizers
+        inner._zinf_inner = True  # steps zinf's masters: not refused by refuse_foreign_optimizers
         return inner
 
     def _all_slots(self) -> list[_Slot]:
@@ -479,7 +480,7 @@ def _grad_outside_param(record: ParamRecord | None) -> bool:
     return record is not None and (record.stage >= 2 or (record.stage == 1 and record.world_size > 1))
 
 
-def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before any ``torch.optim`` step: refuse one that would silently miss zinf's gradients.
 
     At stages 2-3 a sharded parameter's gradient lives in zinf's store
@@ -505,15 +506,12 @@ def _refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -
             )
 
 
-register_optimizer_step_pre_hook(_refuse_foreign_optimizers)
-
-
 # ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` reads ``param.grad``; at
 # stages 2-3 that is None, so it would return 0 and clip nothing, silently.  zinf
 # puts a guard in front of torch's two clipping functions: it hands zinf's
 # parameters to the zinf optimizer holding them and passes every other call to
-# torch's own code (see _install_clip_guard for how).
-_TORCH_CLIP: dict[str, Callable] = {}  # name -> torch's function body, which the guards call
+# torch's own code (zinf_compiler/torch_patches.py installs them).
+TORCH_CLIP: dict[str, Callable] = {}  # name -> torch's function body, which the guards call
 
 
 def _zinf_params_in(parameters) -> tuple[list[torch.Tensor], list[ParamRecord]]:
@@ -528,7 +526,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     """``torch.nn.utils.clip_grad_norm_`` that also sees zinf's gradient shards (same arguments)."""
     params, records = _zinf_params_in(parameters)
     if not records:
-        return _TORCH_CLIP["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return TORCH_CLIP["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
     trainable = {id(p) for p in params if p.requires_grad}
     for optimizer in live_optimizers():
         held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
@@ -553,7 +551,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None)
             f"torch.nn.utils.clip_grad_value_ cannot clip the gradient of parameter {records[0].name}: at zinf "
             f"stage {records[0].stage} it lives in zinf's shards, so it would clip nothing. zinf clips by norm: "
             f"call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or optimizer.clip_grad_norm_")
-    return _TORCH_CLIP["clip_grad_value_"](params, clip_value, foreach)
+    return TORCH_CLIP["clip_grad_value_"](params, clip_value, foreach)
 
 
 def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
@@ -566,38 +564,7 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
             f"zinf stage {records[0].stage} it lives in zinf's shards (param.grad is not it, so a norm taken with "
             f"get_total_norm over param.grad misses it too). Call torch.nn.utils.clip_grad_norm_(model.parameters(), "
             f"max_norm) or optimizer.clip_grad_norm_(max_norm): both return the global norm")
-    return _TORCH_CLIP["_clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
-
-
-def _install_clip_guard(name: str, guard: Callable, public_name: str | None = None) -> None:
-    """Route torch's ``torch.nn.utils.clip_grad.<name>`` through ``guard``, for every name it is known by.
-
-    Loops often import it by name (``from torch.nn.utils import clip_grad_norm_``)
-    before zinf is imported; replacing the module attribute would miss those.
-    torch's function is a ``no_grad`` wrapper calling its body through the
-    closure cell ``func``: the guard takes the body's place there, so every
-    reference to the wrapper reaches it.  A torch without that cell gets its
-    module attributes replaced instead (the by-name imports then keep torch's).
-    """
-    torch_fn = getattr(torch.nn.utils.clip_grad, name)
-    cells = dict(zip(torch_fn.__code__.co_freevars, torch_fn.__closure__ or ()))
-    body_cell = cells.get("func")
-    if body_cell is not None and not callable(body_cell.cell_contents):
-        body_cell = None
-    replaced = body_cell.cell_contents if body_cell is not None else torch_fn
-    # (``_zinf_replaces``: a reloaded zinf must not guard its own guard.)
-    _TORCH_CLIP[name] = guard._zinf_replaces = getattr(replaced, "_zinf_replaces", replaced)
-    if body_cell is not None:
-        body_cell.cell_contents = guard
-    else:
-        setattr(torch.nn.utils.clip_grad, name, guard)
-        setattr(torch.nn.utils, public_name or name, guard)
-
-
-_install_clip_guard("clip_grad_norm_", clip_grad_norm_)
-_install_clip_guard("clip_grad_value_", clip_grad_value_)
-if hasattr(torch.nn.utils.clip_grad, "_clip_grads_with_norm_"):  # (newer torch: get_total_norm's partner)
-    _install_clip_guard("_clip_grads_with_norm_", clip_grads_with_norm_, "clip_grads_with_norm_")
+    return TORCH_CLIP["_clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
 
 
 def live_optimizers() -> list[ZinfOptimizer]:
@@ -630,19 +597,13 @@ class SGD(ZinfOptimizer):
 # ``model.zero_grad()`` (the HF Trainer's call, and many loops') clears ``param.grad``;
 # at stages 2-3 zinf keeps gradients in sharded buffers instead, which it would
 # leave alone: the next step would add two backwards' gradients up, silently.
-_module_zero_grad = torch.nn.Module.zero_grad
+TORCH_MODULE_ZERO_GRAD = torch.nn.Module.zero_grad  # torch's own (torch_patches.install sets it)
 
 
-def _module_zero_grad_with_shards(self: torch.nn.Module, set_to_none: bool = True) -> None:
-    _module_zero_grad(self, set_to_none)
+def module_zero_grad_with_shards(self: torch.nn.Module, set_to_none: bool = True) -> None:
+    """``nn.Module.zero_grad`` that also discards the zinf gradient shards of the module's parameters."""
+    TORCH_MODULE_ZERO_GRAD(self, set_to_none)
     if STORE.records():
         records = [record for record in map(STORE.lookup, self.parameters()) if record is not None]
         if records:
             STORE.drop_grads(records)
-
-
-def install_module_zero_grad() -> None:
-    """Make ``nn.Module.zero_grad`` also discard the zinf gradient shards of the module's parameters (once)."""
-    if torch.nn.Module.zero_grad is not _module_zero_grad_with_shards:
-        functools.update_wrapper(_module_zero_grad_with_shards, _module_zero_grad)
-        torch.nn.Module.zero_grad = _module_zero_grad_with_shards
