@@ -39,17 +39,18 @@ def fingerprint(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def check(comm: Comm, doing: int, graph_print: int, options_print: int, describe: Callable[[], dict]) -> None:
+def check(comm: Comm, doing: int, graph_print: int, options_print: int, describe: Callable[[], dict],
+          timeout: float | None = None) -> None:
     """Raise on every rank unless every rank is ``doing`` the same graph with the same options.
 
     ``describe()`` (called only on a mismatch) gives this rank's side:
     ``graph`` (words naming the graph), ``options`` (name -> value) and
-    ``params`` (name -> shape).
+    ``params`` (name -> shape).  ``timeout``: the model's collective_timeout.
     """
     if comm.world_size == 1:
         return
     mine = torch.tensor([doing, graph_print, options_print], dtype=torch.int64, device=comm.agreement_device)
-    rows = comm.all_gather_rows(mine, "all_gather of the ranks' graph fingerprints").tolist()
+    rows = comm.all_gather_rows(mine, "all_gather of the ranks' graph fingerprints", timeout).tolist()
     if all(row == rows[0] for row in rows):
         return
     # Every rank saw the same rows, so every rank is here: the object exchange pairs up.

@@ -71,14 +71,16 @@ class Comm:
     def __init__(self) -> None:
         self.traffic_bytes: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
-        # Seconds a collective may wait for the other ranks (option collective_timeout).
+        # Seconds a collective may wait for the other ranks when its caller names no timeout (option
+        # collective_timeout of the last compile).  A model's collectives pass the model's own (its ledger's).
         self.timeout: float | None = 600.0
 
-    def _work(self, work, track: str, nbytes: int, what: str) -> _TracedWork:
+    def _work(self, work, track: str, nbytes: int, what: str, timeout: float | None = None) -> _TracedWork:
         # NCCL waits are stream orderings with the process group's own watchdog timeout; a
         # host-side timeout would block the host, so only gloo waits are bounded here.
-        timeout = None if dist.get_backend() == "nccl" else self.timeout
-        return _TracedWork(work, track, nbytes, what, timeout)
+        if dist.get_backend() == "nccl":
+            return _TracedWork(work, track, nbytes, what, None)
+        return _TracedWork(work, track, nbytes, what, self.timeout if timeout is None else timeout)
 
     @property
     def initialized(self) -> bool:
@@ -100,22 +102,24 @@ class Comm:
         self.traffic_bytes.clear()
         self.calls.clear()
 
-    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all_gather"):
+    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all_gather",
+                        timeout: float | None = None):
         """Start gathering every rank's equal-size ``shard`` into ``output``; returns a handle."""
         nbytes = output.numel() * output.element_size()
         self._count("all_gather", nbytes)
         if self.world_size == 1:
             return COPIER.copy(output, shard, "gg", "gather (local copy)")
-        return self._work(dist.all_gather_into_tensor(output, shard, async_op=True), "gg", nbytes, what)
+        return self._work(dist.all_gather_into_tensor(output, shard, async_op=True), "gg", nbytes, what, timeout)
 
-    def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter"):
+    def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter",
+                           timeout: float | None = None):
         """Start averaging ``full`` over ranks, this rank keeping its slice in ``output``."""
         nbytes = full.numel() * full.element_size()
         self._count("reduce_scatter", nbytes)
         if self.world_size == 1:
             return COPIER.copy(output, full, "rs", "reduce (local copy)")
         return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes,
-                          what)
+                          what, timeout)
 
     def all_reduce_avg(self, tensor: torch.Tensor):
         """Start averaging ``tensor`` in place over ranks."""
@@ -126,10 +130,10 @@ class Comm:
         return self._work(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes,
                           "all_reduce of a gradient (stage 0)")
 
-    def all_reduce_sum(self, tensor: torch.Tensor, what: str = "all_reduce") -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str = "all_reduce", timeout: float | None = None) -> None:
         """Sum ``tensor`` in place over ranks (small scalars such as norms)."""
         if self.world_size > 1:
-            self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), "rs", 0, what).wait()
+            self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), "rs", 0, what, timeout).wait()
 
     @property
     def agreement_device(self) -> torch.device:
@@ -138,12 +142,13 @@ class Comm:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def all_gather_rows(self, row: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
+    def all_gather_rows(self, row: torch.Tensor, what: str = "all_gather", timeout: float | None = None) -> torch.Tensor:
         """Every rank's small 1-D ``row`` stacked in rank order (bounded by ``collective_timeout``, gloo)."""
         if self.world_size == 1:
             return row[None].clone()
         rows = row.new_empty(self.world_size * row.numel())  # (gloo takes a flat output only)
-        self._work(dist.all_gather_into_tensor(rows, row, async_op=True), "gg", 0, what).wait()
+        self._count("agreement", rows.numel() * rows.element_size())  # control traffic, not ZeRO's
+        self._work(dist.all_gather_into_tensor(rows, row, async_op=True), "gg", 0, what, timeout).wait()
         return rows.view(self.world_size, row.numel())
 
     def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
@@ -158,15 +163,16 @@ class Comm:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast"):
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast", timeout: float | None = None):
         """Start sending ``tensor`` from rank ``src`` to every rank, in place."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("broadcast", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return self._work(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes, what)
+        return self._work(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes, what, timeout)
 
-    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int, what: str = "broadcast") -> None:
+    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int, what: str = "broadcast",
+                            timeout: float | None = None) -> None:
         """Copy rank ``src``'s ``tensors`` into every rank's, in place: one broadcast per dtype and device.
 
         Counted under "buffers" (model buffers, not ZeRO traffic).
@@ -180,20 +186,21 @@ class Comm:
             flat = torch.cat([tensor.detach().reshape(-1) for tensor in group])
             nbytes = flat.numel() * flat.element_size()
             self._count("buffers", nbytes)
-            self._work(dist.broadcast(flat, src=src, async_op=True), "gg", nbytes, what).wait()
+            self._work(dist.broadcast(flat, src=src, async_op=True), "gg", nbytes, what, timeout).wait()
             at = 0
             with torch.no_grad():
                 for tensor in group:
                     tensor.copy_(flat[at : at + tensor.numel()].view_as(tensor))
                     at += tensor.numel()
 
-    def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "reduce"):
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "reduce", timeout: float | None = None):
         """Start summing ``tensor`` over ranks into rank ``dst``'s copy."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("reduce", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return self._work(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True), "rs", nbytes, what)
+        return self._work(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True), "rs", nbytes, what,
+                          timeout)
 
 
 COMM = Comm()

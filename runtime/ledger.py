@@ -66,13 +66,13 @@ class Fp16GradScaler:
         if not self.found_inf and not bool(torch.isfinite(reduced_grad).all()):
             self.found_inf = True
 
-    def should_skip_step(self, comm: Comm, device: torch.device) -> bool:
+    def should_skip_step(self, comm: "Comm", device: torch.device, timeout: float | None = None) -> bool:
         """Agree over ranks whether any saw an overflow, update the scale, reset the flag.
 
         ``device``: where the flag is reduced (NCCL reduces device tensors only).
         """
         flag = torch.tensor(1.0 if self.found_inf else 0.0, device=device)
-        comm.all_reduce_sum(flag, "all_reduce of the fp16 overflow flag (optimizer step)")
+        comm.all_reduce_sum(flag, "all_reduce of the fp16 overflow flag (optimizer step)", timeout)
         self.found_inf = False
         if flag.item() > 0:
             self.scale /= 2.0
@@ -88,7 +88,7 @@ class Fp16GradScaler:
 class Ledger:
     """Bytes one model holds per tier, resting (shards, gradients, optimizer state) and transient
     (gathered or in flight), their peaks since :meth:`reset_peak`, its device budget, and its fp16
-    loss scale (``fp16_scaler``)."""
+    loss scale (``fp16_scaler``) and collective timeout (``collective_timeout``)."""
 
     def __init__(self, device_memory_limit: int | None = None):
         self.resting = {"device": 0, "cpu": 0}
@@ -100,6 +100,9 @@ class Ledger:
         # Budget for gathered and in-flight device bytes (option device_memory_limit; None: unlimited).
         self.device_memory_limit = device_memory_limit
         self.fp16_scaler = Fp16GradScaler()
+        # Seconds this model's collectives wait for the other ranks (option collective_timeout; None: the
+        # process's default, runtime/comm.py).
+        self.collective_timeout: float | None = None
         self.merged_into: Ledger | None = None
 
     def root(self) -> "Ledger":
@@ -157,6 +160,8 @@ def merge_ledgers(ledgers: list) -> Ledger:
                 mine[tier] += theirs[tier]
         limits = [limit for limit in (target.device_memory_limit, other.device_memory_limit) if limit is not None]
         target.device_memory_limit = min(limits) if limits else None
+        timeouts = [t for t in (target.collective_timeout, other.collective_timeout) if t is not None]
+        target.collective_timeout = min(timeouts) if timeouts else None
         # Two models joined (one optimizer over both): the more cautious scale, the counts of both.
         target.fp16_scaler.absorb(other.fp16_scaler)
         other.merged_into = target

@@ -338,7 +338,8 @@ class ParamStore:
                 full = param.detach()
                 if world_size > 1:
                     # Like DDP: every rank starts from rank 0's values.
-                    self.comm.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)").wait()
+                    self.comm.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
+                                        timeout=record.ledger.collective_timeout).wait()
                 local = _local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
                                      tile_align)
             record.shard = local.new_empty(0, dtype=compute_dtype)
@@ -682,12 +683,14 @@ class ParamStore:
             return
         matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
         if unit.partition == "allgather":
-            work = self.comm.all_gather_into(matrix, local, f"all_gather of {unit.name}")
+            work = self.comm.all_gather_into(matrix, local, f"all_gather of {unit.name}",
+                                             timeout=ledger.collective_timeout)
         else:
             owner = unit.pieces[0].layout.owner
             if local.numel():
                 matrix.copy_(local)
-            work = self.comm.broadcast(matrix, src=owner, what=f"broadcast of {unit.name}")
+            work = self.comm.broadcast(matrix, src=owner, what=f"broadcast of {unit.name}",
+                                       timeout=ledger.collective_timeout)
         self._in_flight("gather", unit).append((work, matrix))
 
     def gather_wait(self, unit: Unit) -> list[torch.Tensor]:
@@ -760,11 +763,13 @@ class ParamStore:
                 piece.scatter(flat, unit.column_block(matrix, index))
             if unit.rows > 1:
                 out = torch.empty(unit.columns, dtype=unit.compute_dtype, device=unit.device)
-                work = self.comm.reduce_scatter_avg(out, matrix, f"reduce_scatter of the gradient of {unit.name}")
+                work = self.comm.reduce_scatter_avg(out, matrix, f"reduce_scatter of the gradient of {unit.name}",
+                                                    timeout=ledger.collective_timeout)
             elif unit.world_size > 1:  # broadcast partition: summed on the owner
                 out = matrix
                 work = self.comm.reduce_sum(matrix, dst=unit.pieces[0].layout.owner,
-                                            what=f"reduce of the gradient of {unit.name}")
+                                            what=f"reduce of the gradient of {unit.name}",
+                                            timeout=ledger.collective_timeout)
             else:
                 out, work = matrix, _DONE  # world size 1, fp16 or broadcast: nothing to average
             self._in_flight("reduce", unit).append((work, out))
@@ -1117,7 +1122,7 @@ class ParamStore:
 
     # --- models ------------------------------------------------------------------
 
-    def group(self, params: Iterable[torch.Tensor], device_memory_limit=_UNSET) -> "Ledger":
+    def group(self, params: Iterable[torch.Tensor], device_memory_limit=_UNSET, collective_timeout=_UNSET) -> "Ledger":
         """Account ``params`` as one model: one ledger for those adopted, and for the rest when they are.
 
         The optimizer and ``memory_report`` call this with a model's
@@ -1145,6 +1150,8 @@ class ParamStore:
                                                 ledger)
         if device_memory_limit is not _UNSET:
             ledger.device_memory_limit = device_memory_limit
+        if collective_timeout is not _UNSET:
+            ledger.collective_timeout = collective_timeout
         return ledger
 
     def _forget_pending(self, param_id: int, _ref) -> None:

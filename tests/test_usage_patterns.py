@@ -533,6 +533,16 @@ def test_a_collective_on_one_rank_only_times_out_naming_the_call():
     assert rank0["seconds"] < 30
 
 
+def test_each_model_keeps_its_own_collective_timeout():
+    # Before (issue 27): the process had one timeout, the last compile's; model A (3 s) then waited B's 120 s.
+    from multirank import run_ranks
+
+    rank0, _ = run_ranks(2, "timeout_worker", {}, timeout=120)
+    assert rank0["error"] == "ZinfCollectiveTimeout", rank0
+    assert "all_gather of 0.weight" in rank0["message"] and "collective_timeout=3" in rank0["message"]
+    assert rank0["seconds"] < 30
+
+
 @pytest.mark.parametrize("options", [{}, {"offload_param": "cpu", "offload_optimizer": "cpu"}], ids=["device", "cpu"])
 def test_resume_into_a_new_model_loading_optimizer_state_before_its_first_forward(options):
     # Before: opt.load_state_dict before the first compiled forward failed later with the

@@ -66,7 +66,9 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     STORE.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.world_size = STORE.comm.world_size
-    STORE.comm.timeout = options.collective_timeout  # the process's collectives: the last compile's setting
+    # Collectives of no model (stage 0's all-reduce, checkpoints' exchanges): the last compile's setting;
+    # each model's own use its ledger's (set below).
+    STORE.comm.timeout = options.collective_timeout
     if captured.world_size > 1:
         _agree_before_compiling(captured)
     adopted = []
@@ -82,7 +84,8 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
         # This graph's parameters count as one model (with any they were grouped
         # with before, e.g. by its optimizer), under this compile's device budget.
-        ledger = STORE.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit)
+        ledger = STORE.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
+                             collective_timeout=options.collective_timeout)
         for position, param in captured.param_tensors.items():
             record = _adopt(captured, position, param, tile_plans.get(position), ledger)
             if record.tile_rows is not None:
@@ -160,7 +163,8 @@ def _agree(captured: CapturedGraph, doing: int) -> None:
                 "params": {info.name: list(info.shape) for info in captured.inputs
                            if info.kind in ("param", "buffer") and info.shape is not None}}
 
-    agreement.check(STORE.comm, doing, captured.graph_print, captured.config_print, describe)
+    agreement.check(STORE.comm, doing, captured.graph_print, captured.config_print, describe,
+                    captured.options.collective_timeout)
 
 
 def _agree_before_backward(outputs, captured: CapturedGraph) -> None:
@@ -230,7 +234,8 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             records[slot] = record
         if unseen:
             ledger = STORE.group([args[slot] for slot in slots],
-                                 device_memory_limit=captured.options.device_memory_limit)
+                                 device_memory_limit=captured.options.device_memory_limit,
+                                 collective_timeout=captured.options.collective_timeout)
             for slot in unseen:
                 records[slot] = _adopt_at_run_time(captured, slot, args[slot], ledger)
         if captured.options.stage >= 2:
@@ -247,7 +252,8 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             _agree(captured, agreement.FORWARD)
         if buffer_slots:
             STORE.comm.broadcast_coalesced([inputs[slot] for slot in buffer_slots], src=0,
-                                           what=f"broadcast of graph {captured.graph_id}'s buffers from rank 0")
+                                           what=f"broadcast of graph {captured.graph_id}'s buffers from rank 0",
+                                           timeout=captured.options.collective_timeout)
         if captured.options.stage == 0:
             # Stage 0: no parameter is bound; the graph's ops (stage-0 all-reduce) name none.
             outputs = compiled(*args)
@@ -301,8 +307,14 @@ def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
         return options.device_memory_limit
     devices = {param.device for param in captured.param_tensors.values()}
     if len(devices) == 1 and (device := devices.pop()).type == "cuda":
-        # The least any rank has: every rank must tile alike (the tiles' gathers are collectives).
-        return _agreed_free_bytes(device, captured.world_size)
+        if any(STORE.lookup(param) is None for param in captured.param_tensors.values()):
+            # New parameters get their tile layout now: the least any rank has, so every rank tiles
+            # alike (the tiles' gathers are collectives).  Every rank compiles here together (this
+            # compile agreed first: _agree_before_compiling).
+            return _agreed_free_bytes(device, captured.world_size)
+        # Every layout is fixed already; a recompile may happen on one rank alone: no collective.
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return free_bytes
     return None
 
 

@@ -240,7 +240,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if fp16_records:
             # On the compute device: the shard may rest on the CPU, which NCCL cannot reduce.
             # The scale of this optimizer's model (its parameters share one ledger: ParamStore.group).
-            if fp16_records[0].ledger.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].device):
+            ledger = fp16_records[0].ledger
+            if ledger.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].device, ledger.collective_timeout):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 STORE.drop_grads(self._records())
                 TRACER.step_done()
@@ -364,7 +365,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 sharded_sq += squared  # each element lives on exactly one rank
             else:
                 replicated_sq += squared  # every rank holds the same full gradient
-        STORE.comm.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)")
+        records = self._records()
+        STORE.comm.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)",
+                                  records[0].ledger.collective_timeout if records else None)
         total_norm = (sharded_sq + replicated_sq).sqrt().to(torch.float32)
         clip_coef = float(max_norm) / (total_norm.item() + 1e-6)
         if clip_coef < 1.0:
