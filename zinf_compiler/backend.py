@@ -26,7 +26,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .context import CapturedGraph, GraphContext
-from .cost_model import CostModel, _agreed_free_bytes, is_profiled, profile_machine
+from .cost_model import CostModel, agreed_free_bytes, is_profiled, profile_machine
 from .runtime import agreement
 from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
@@ -132,12 +132,10 @@ def _agree_before_compiling(captured: CapturedGraph) -> None:
     its fingerprints first (see runtime/agreement.py).
     """
     state = [(info.kind, info.name) for info in captured.inputs if info.kind in ("param", "buffer")]
-    options = {name: value for name, value in dataclasses.asdict(captured.options).items()
-               if name not in _RANK_LOCAL_OPTIONS}
-    shapes = {info.name: (list(info.shape), str(info.dtype)) for info in captured.inputs
-              if info.kind in ("param", "buffer")}
+    dtypes = {info.name: str(info.dtype) for info in captured.inputs if info.kind in ("param", "buffer")}
     captured.graph_print = agreement.fingerprint(state)
-    captured.config_print = agreement.fingerprint(sorted(options.items(), key=str), sorted(shapes.items()))
+    captured.config_print = agreement.fingerprint(sorted(_collective_options(captured).items(), key=str),
+                                                  sorted(_state_shapes(captured).items()), sorted(dtypes.items()))
     devices = [param.device for param in captured.param_tensors.values()]
     device = devices[0] if devices else torch.device("cpu")
     offloads = (captured.options.offload_param, captured.options.offload_optimizer,
@@ -151,17 +149,25 @@ def _agree_before_compiling(captured: CapturedGraph) -> None:
         _agree(captured, agreement.COMPILE)
 
 
+def _collective_options(captured: CapturedGraph) -> dict[str, Any]:
+    """The graph's options that decide its collectives (all but the rank-local ones)."""
+    return {name: value for name, value in dataclasses.asdict(captured.options).items()
+            if name not in _RANK_LOCAL_OPTIONS}
+
+
+def _state_shapes(captured: CapturedGraph) -> dict[str, list[int]]:
+    """Shape of each parameter and buffer the graph reads, by name."""
+    return {info.name: list(info.shape) for info in captured.inputs
+            if info.kind in ("param", "buffer") and info.shape is not None}
+
+
 def _agree(captured: CapturedGraph, doing: int) -> None:
     def describe() -> dict:
         params = [info.name for info in captured.params]
         words = (f"graph {captured.graph_id} (parameters {', '.join(params[:3])}"
                  f"{f' and {len(params) - 3} more' if len(params) > 3 else ''})" if params else
                  f"graph {captured.graph_id} (no parameters)")
-        return {"graph": words,
-                "options": {name: value for name, value in dataclasses.asdict(captured.options).items()
-                            if name not in _RANK_LOCAL_OPTIONS},
-                "params": {info.name: list(info.shape) for info in captured.inputs
-                           if info.kind in ("param", "buffer") and info.shape is not None}}
+        return {"graph": words, "options": _collective_options(captured), "params": _state_shapes(captured)}
 
     agreement.check(STORE.comm, doing, captured.graph_print, captured.config_print, describe,
                     captured.options.collective_timeout)
@@ -311,7 +317,7 @@ def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
             # New parameters get their tile layout now: the least any rank has, so every rank tiles
             # alike (the tiles' gathers are collectives).  Every rank compiles here together (this
             # compile agreed first: _agree_before_compiling).
-            return _agreed_free_bytes(device, captured.world_size)
+            return agreed_free_bytes(device, captured.world_size)
         # Every layout is fixed already; a recompile may happen on one rank alone: no collective.
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return free_bytes

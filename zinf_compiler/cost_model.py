@@ -122,7 +122,7 @@ def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | N
         disk_read=disk_read,
         disk_write=disk_write,
         collective=_probe_collective(device) if world_size > 1 else None,
-        free_device_bytes=_agreed_free_bytes(device, world_size),
+        free_device_bytes=agreed_free_bytes(device, world_size),
         probe_seconds=time.perf_counter() - started,
     )
     profile = _agreed_rates(profile, device, world_size)
@@ -233,7 +233,7 @@ def _agreed_rates(profile: "MachineProfile", device: torch.device, world_size: i
                                            for index, (name, rate) in enumerate(zip(_RATES, rates))})
 
 
-def _agreed_free_bytes(device: torch.device, world_size: int) -> int | None:
+def agreed_free_bytes(device: torch.device, world_size: int) -> int | None:
     """The free device memory of the rank with the least (a collective at world size > 1)."""
     free = _free_device_bytes(device)
     dist = _group(world_size)
