@@ -1,8 +1,11 @@
-"""One rank of the collective-timeout test (launched by tests/multirank.py).
+"""One rank of the collective-timeout tests (launched by tests/multirank.py).
 
-Both ranks train one step together; then only rank 0 calls full_state_dict,
-a collective.  Rank 0 must get a ZinfCollectiveTimeout naming the call
-within collective_timeout instead of hanging; rank 1 stays alive meanwhile.
+Both ranks compile and train one step of each model in ``timeouts`` (one
+small model per entry, compiled with that ``collective_timeout``, in order);
+then only rank 0 calls full_state_dict of the first model, a collective rank
+1 never joins.  Rank 0 must get a ZinfCollectiveTimeout naming the call
+within the first model's own timeout instead of hanging (before issue 27 the
+process's one timeout was the last compile's); rank 1 stays alive meanwhile.
 Both then exit normally.
 """
 
@@ -16,30 +19,34 @@ import torch.distributed as dist
 import zinf_compiler as zinf
 from zinf_compiler.runtime.comm import ZinfCollectiveTimeout
 
-TIMEOUT_SECONDS = 3
 
-
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def build(timeout: int):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     compiled = torch.compile(model, backend="zinf",
-                             options={"stage": 3, "lower": "eager", "collective_timeout": TIMEOUT_SECONDS})
-    opt = zinf.optim.SGD(model.parameters(), lr=0.1)
-    compiled(torch.randn(4, 8)).sum().backward()
-    opt.step()
+                             options={"stage": 3, "lower": "eager", "collective_timeout": timeout})
+    return model, compiled, zinf.optim.SGD(model.parameters(), lr=0.1)
+
+
+def main() -> None:
+    timeouts = json.loads(os.environ.get("ZINFTEST_ARGS", "{}")).get("timeouts", [3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    models = [build(timeout) for timeout in timeouts]
+    for _, compiled, opt in models:
+        compiled(torch.randn(4, 8)).sum().backward()
+        opt.step()
     result = {}
     if rank == 0:
         started = time.monotonic()
         try:
-            zinf.full_state_dict(model)
+            zinf.full_state_dict(models[0][0])
             result["error"] = None
         except ZinfCollectiveTimeout as err:
             result["error"], result["message"] = type(err).__name__, str(err)
         result["seconds"] = time.monotonic() - started
     else:
-        time.sleep(4 * TIMEOUT_SECONDS)  # alive but never joining: the hang the timeout must end
+        time.sleep(4 * timeouts[0])  # alive but never joining: the hang the timeout must end
     with open(os.environ["ZINFTEST_OUT"], "w") as out:
         json.dump(result, out)
     # After the timeout the process must still be able to exit normally (issue 25, point 6): tear down

@@ -537,7 +537,7 @@ def test_each_model_keeps_its_own_collective_timeout():
     # Before (issue 27): the process had one timeout, the last compile's; model A (3 s) then waited B's 120 s.
     from multirank import run_ranks
 
-    rank0, _ = run_ranks(2, "timeout_worker", {}, timeout=120)
+    rank0, _ = run_ranks(2, "collective_worker", {"timeouts": [3, 120]}, timeout=120)
     assert rank0["error"] == "ZinfCollectiveTimeout", rank0
     assert "all_gather of 0.weight" in rank0["message"] and "collective_timeout=3" in rank0["message"]
     assert rank0["seconds"] < 30
