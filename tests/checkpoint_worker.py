@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zinf_compiler as zinf
 import zinf_compiler.checkpoint as checkpoint
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from multirank import start_rank
+from multirank import finish_rank, start_rank
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)  # eps: as test_zero, so near-zero gradients do not amplify reduction-order noise
@@ -76,8 +76,7 @@ def main() -> None:
         torch.save({"losses": losses, "state": state, "loaded_state": loaded_state, "first": first}, args["out"])
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
         json.dump({"first": first}, handle)
-    if world > 1:
-        dist.destroy_process_group()
+    finish_rank()
 
 
 if __name__ == "__main__":

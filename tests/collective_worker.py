@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compiler as zinf
+from multirank import finish_rank
 from zinf_compiler.runtime.comm import ZinfCollectiveTimeout
 
 
@@ -51,7 +52,7 @@ def main() -> None:
         json.dump(result, out)
     # After the timeout the process must still be able to exit normally (issue 25, point 6): tear down
     # the process group and return (run_ranks fails on a rank that hangs here).
-    dist.destroy_process_group()
+    finish_rank()
 
 
 if __name__ == "__main__":

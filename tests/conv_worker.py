@@ -12,10 +12,9 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 
 import zinf_compiler as zinf
-from multirank import start_rank
+from multirank import finish_rank, start_rank
 
 ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
 
@@ -89,8 +88,7 @@ def main() -> None:
     results = [train(config, world, rank) for config in args["configs"]]
     with open(os.environ["ZINFTEST_OUT"], "w") as out:
         json.dump(results, out)
-    if world > 1:
-        dist.destroy_process_group()
+    finish_rank()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ def _run_ranks(world_size: int, worker: str, args: dict, timeout: float, killed_
                 ZINFTEST_ARGS=json.dumps(args), ZINFTEST_OUT=os.path.join(folder, f"rank{rank}.json"),
                 OMP_NUM_THREADS="1",
                 TMPDIR=folder,
+                # A rank that aborts prints every thread's Python stack; torch's deprecation
+                # warnings would otherwise fill the log tail a failure shows.
+                PYTHONFAULTHANDLER="1",
+                PYTHONWARNINGS="ignore::FutureWarning",
             )
             log = open(os.path.join(folder, f"rank{rank}.log"), "w")
             procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, worker + ".py")], env=env,
@@ -63,7 +67,9 @@ def _run_ranks(world_size: int, worker: str, args: dict, timeout: float, killed_
                 failures.append((rank, code))
         if failures:
             logs = "\n".join(
-                f"--- rank {rank} (exit {code}) ---\n" + open(os.path.join(folder, f"rank{rank}.log")).read()[-4000:]
+                f"--- rank {rank} (exit {code}, result "
+                f"{'written' if os.path.exists(os.path.join(folder, f'rank{rank}.json')) else 'not written'}) ---\n"
+                + open(os.path.join(folder, f"rank{rank}.log")).read()[-6000:]
                 for rank, code in failures
             )
             raise AssertionError(f"ranks failed: {failures}\n{logs}")
@@ -80,3 +86,21 @@ def start_rank() -> tuple[dict, int, int]:
     if world > 1:
         dist.init_process_group("gloo")
     return args, world, dist.get_rank() if world > 1 else 0
+
+
+def finish_rank() -> None:
+    """In a worker, last: collect garbage, then take the process group down.
+
+    DDP's reducer and compiled graphs sit in reference cycles; left to the
+    interpreter's final collection they are destroyed after
+    ``destroy_process_group`` while the interpreter shuts down, and gloo work
+    they hold may take the GIL then (a rare SIGABRT, "terminate called without
+    an active exception", seen once in CI).  Collected here, they go first.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

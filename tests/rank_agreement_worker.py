@@ -20,10 +20,9 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 
 import zinf_compiler as zinf
-from multirank import start_rank
+from multirank import finish_rank, start_rank
 
 
 class Branchy(torch.nn.Module):
@@ -99,7 +98,7 @@ def main() -> None:
     results = [run_case(case, rank, world) for case in args["cases"]]
     with open(os.environ["ZINFTEST_OUT"], "w") as out:
         json.dump(results, out)
-    dist.destroy_process_group()
+    finish_rank()
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ every parameter of that model.
 import json
 import os
 
-import torch.distributed as dist
 
 from zero_worker import train
 from zinf_compiler.gpt import GPTConfig
 from zinf_compiler.runtime.store import STORE
-from multirank import start_rank
+from multirank import finish_rank, start_rank
 
 
 def main() -> None:
@@ -30,8 +29,7 @@ def main() -> None:
         results.append(result)
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
         json.dump(results, handle)
-    if world > 1:
-        dist.destroy_process_group()
+    finish_rank()
 
 
 if __name__ == "__main__":

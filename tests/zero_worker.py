@@ -17,7 +17,7 @@ import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime.comm import COMM
 from zinf_compiler.runtime.store import STORE
-from multirank import start_rank
+from multirank import finish_rank, start_rank
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, fused=True)
 MAX_NORM = 0.5
@@ -102,8 +102,7 @@ def main() -> None:
     results = [train(config, cfg, world, rank, args["steps"], args["batch"]) for config in args["configs"]]
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
         json.dump(results, handle)
-    if world > 1:
-        dist.destroy_process_group()
+    finish_rank()
 
 
 if __name__ == "__main__":
