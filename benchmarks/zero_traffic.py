@@ -68,6 +68,8 @@ ZINF_VARIANTS = [
     # The ranks' fingerprint exchange before each compiled call (runtime/agreement.py) left out: its cost.
     ("zinf stage 3 agree at compile only", {"stage": 3, "partition": "allgather", "rank_agreement": "compile"}),
 ]
+# With --hsdp R: zinf on the 2-D mesh (R replicas x world/R shards) against FSDP2 on the same mesh.
+HSDP_VARIANTS = [(f"zinf stage {stage} HSDP", {"stage": stage, "partition": "allgather"}) for stage in (1, 2, 3)]
 FSDP2 = "FSDP2 (fully_shard, eager)"
 DDP = "DDP (eager)"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce")
@@ -97,6 +99,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--frozen-scale", action="store_true",
                         help="add the GPT's frozen parameter (embed_scale, requires_grad=False)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are killed")
+    parser.add_argument("--hsdp", type=int, default=0, metavar="R",
+                        help="HSDP instead: a 2-D mesh of R replicas x world/R shards for zinf (option mesh, "
+                             "stages 1-3) and FSDP2 (fully_shard on the same mesh); DDP as before")
     return parser.parse_args()
 
 
@@ -178,18 +183,26 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
 
     variants = {}  # name -> dict(model, opt, module, zinf options)
     errors = {}
-    for name, options in ZINF_VARIANTS:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.hsdp:
+        mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
+        zinf_variants = HSDP_VARIANTS
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        zinf_variants = ZINF_VARIANTS
+    for name, options in zinf_variants:
+        if args.hsdp:
+            options = {**options, "mesh": mesh}
         model = copy.deepcopy(base)
         compiled = torch.compile(model, backend="zinf", options={**options, "lower": args.lower})
         variants[name] = {"model": compiled, "module": model, "options": options,
                           "opt": zinf.optim.AdamW(model.parameters(), lr=1e-3)}
     fsdp_error = None
     try:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         fsdp_model = copy.deepcopy(base)
-        mesh = init_device_mesh("cpu", (world,))
         for block in fsdp_model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(fsdp_model, mesh=mesh)
@@ -446,6 +459,55 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
         print(f"| {name} | {median:.1f} | {low:.1f} - {high:.1f} | {median / medians[baseline]:.2f} |")
 
 
+def _report_hsdp(args: argparse.Namespace, results: list[dict]) -> None:
+    """HSDP: bytes per step on rank 0 at the torch.distributed calls, zinf against FSDP2 on one mesh."""
+    head = results[0]
+    info, world = head["param_info"], head["world"]
+    shards = world // args.hsdp
+    p_bytes = sum(v["bytes"] for v in info.values())
+    print(f"HSDP mesh: {args.hsdp} replicas x {shards} shards; P = {p_bytes:,} bytes fp32 in {len(info)} tensors; "
+          f"{head['measured_steps']} measured steps per variant; bytes per step on rank 0\n")
+    print("| variant | all_gather | reduce_scatter | all_reduce | total (wire) | theory | total / theory "
+          "| vs FSDP2 HSDP | calls / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    variants = head["variants"]
+    fsdp_total = sum(_mean(variants[FSDP2]["wire"]).values()) if FSDP2 in variants else None
+    for name in [name for name, _ in HSDP_VARIANTS] + [FSDP2, DDP]:
+        if name not in variants:
+            reason = head["errors"].get(name) or (head["fsdp_error"] if name == FSDP2 else "missing")
+            print(f"| {name} | not run: {reason} |" + " |" * 7)
+            continue
+        entry = variants[name]
+        wire = _mean(entry["wire"])
+        total = sum(wire.values())
+        # Shard group: gathers (stage 3: forward and backward) and a reduce-scatter, each of the full P;
+        # replicas: an all-reduce of this rank's 1/S slice (2x its size). FSDP2 regathers in backward too.
+        # DDP: one all-reduce of every gradient.
+        if name == DDP:
+            theory_x, theory_text = 2.0, "2P"
+        else:
+            gathers = 1 if name == "zinf stage 1 HSDP" or name == "zinf stage 2 HSDP" else 2
+            theory_x = gathers + 1 + 2 / shards
+            theory_text = f"{gathers + 1}P + 2P/{shards}"
+        ratio = f"{total / fsdp_total:.3f}" if fsdp_total and name != FSDP2 else ""
+        calls = ", ".join(f"{kind} {count:g}" for kind, count in sorted(entry["wire_calls"].items()) if count)
+        print(f"| {name} | {_fmt(wire['all_gather'])} | {_fmt(wire['reduce_scatter'])} | {_fmt(wire['all_reduce'])} "
+              f"| {_fmt(total)} | {theory_text} = {_fmt(theory_x * p_bytes)} | {total / (theory_x * p_bytes):.4f} "
+              f"| {ratio} | {calls} |")
+    print("\nwire: the bytes handed to torch.distributed (all-gather: output, reduce-scatter: input, all-reduce: "
+          "2x size, broadcast: size), the only count FSDP2 and DDP have; zinf's also include its control traffic "
+          "(the ranks' fingerprint all-gathers, rank 0's buffers).")
+    print("\n| variant | loss, first measured step | loss, last measured step |\n|---|---|---|")
+    for name, entry in variants.items():
+        print(f"| {name} | {entry['losses'][0]:.6f} | {entry['losses'][-1]:.6f} |")
+    medians = {name: statistics.median(entry["times_ms"]) for name, entry in variants.items()}
+    baseline = FSDP2 if FSDP2 in medians else DDP
+    print(f"\nStep time on rank 0, medians; load average {head['load']} at the end of the run")
+    print(f"\n| variant | median step (ms) | median vs {baseline} |\n|---|---|---|")
+    for name, median in medians.items():
+        print(f"| {name} | {median:.1f} | {median / medians[baseline]:.2f} |")
+
+
 def _explain_fsdp2(info: dict, world: int, per_kind: dict, theory: float) -> list[str]:
     """FSDP2's bytes from its layout: dim-0 padding per parameter, the root group gathered once."""
 
@@ -529,7 +591,7 @@ def main() -> int:
           f"block {args.block_size}, batch {args.batch_size} per rank, frozen_scale {args.frozen_scale}")
     started = time.monotonic()
     results = _launch(args)
-    _report(args, results)
+    (_report_hsdp if args.hsdp else _report)(args, results)
     print(f"\nwall time {time.monotonic() - started:.0f} s")
     return 0
 

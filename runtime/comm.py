@@ -1,7 +1,10 @@
-"""Collectives over ``torch.distributed`` (the default process group), with traffic counters.
+"""Collectives over ``torch.distributed``, with traffic counters.
 
-World size 1 needs no process group: every collective degenerates to a local
-copy.  Each call adds to ``traffic_bytes[kind]`` the bytes of the full tensor
+A :class:`Comm` runs collectives over one process group (the default one, or a
+subgroup from :meth:`Comm.subgroup`); a :class:`MeshComm` is a model's
+data-parallel ranks: the group its parameters are sharded over and, for HSDP,
+the group of replicas its gradients are averaged across.  World size 1 needs
+no process group: every collective degenerates to a local copy.  Each call adds to ``traffic_bytes[kind]`` the bytes of the full tensor
 it moves (an all-gather: its output, a reduce-scatter: its input, an
 all-reduce: twice its size, a broadcast or reduce: its size), the unit in
 which ZeRO's traffic is usually stated (stage 1/2: 2x params, stage 3: 3x).
@@ -37,8 +40,10 @@ class _TracedWork:
     own) with :class:`ZinfCollectiveTimeout` naming ``what``.
     """
 
-    def __init__(self, work, track: str, nbytes: int, what: str = "", timeout: float | None = None):
+    def __init__(self, work, track: str, nbytes: int, what: str = "", timeout: float | None = None,
+                 world_size: int = 0):
         self._work = work
+        self._world_size = world_size
         self._track = track
         self._what = what or track
         self._timeout = timeout
@@ -60,7 +65,7 @@ class _TracedWork:
                 if "timed out" not in str(err).lower():
                     raise
                 raise ZinfCollectiveTimeout(
-                    f"{self._what} did not complete on all {dist.get_world_size()} ranks within "
+                    f"{self._what} did not complete on all {self._world_size} ranks of its group within "
                     f"collective_timeout={self._timeout:g} s (rank {dist.get_rank()} waited): a rank did not make "
                     f"the same call. Every rank must run the same compiled graphs and call zinf's collective "
                     f"helpers (full_state_dict, clip_grad_norm_, optimizer steps) together; raise the option "
@@ -68,19 +73,53 @@ class _TracedWork:
 
 
 class Comm:
-    def __init__(self) -> None:
-        self.traffic_bytes: collections.Counter = collections.Counter()
-        self.calls: collections.Counter = collections.Counter()
+    """Collectives over one process group: ``group`` (None: the default group).
+
+    Subgroups (:meth:`subgroup`) share the process's traffic counters and
+    default timeout with the default group's Comm: the counters say what this
+    process sent, whatever the group.  Ranks (``rank``, ``src``, ``dst``) are
+    ranks within the group.
+    """
+
+    def __init__(self, group=None, parent: "Comm | None" = None) -> None:
+        self.group = group
+        self._parent = parent
+        self.traffic_bytes: collections.Counter = parent.traffic_bytes if parent else collections.Counter()
+        self.calls: collections.Counter = parent.calls if parent else collections.Counter()
         # Seconds a collective may wait for the other ranks when its caller names no timeout (option
         # collective_timeout of the last compile).  A model's collectives pass the model's own (its ledger's).
-        self.timeout: float | None = 600.0
+        self._timeout: float | None = 600.0
+        self._subgroups: dict[int, tuple] = {}  # id(group) -> (group, its Comm)
+        self._meshes: dict[tuple, MeshComm] = {}
+
+    @property
+    def timeout(self) -> float | None:
+        return self._parent.timeout if self._parent else self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        if self._parent:
+            raise AttributeError("a subgroup's default timeout is its process's (set it on COMM)")
+        self._timeout = seconds
+
+    def subgroup(self, group) -> "Comm":
+        """The Comm of process group ``group`` (one per group, made on first use)."""
+        root = self._parent or self
+        if group is None or group is dist.GroupMember.WORLD:
+            return root
+        if group is self.group:
+            return self
+        entry = root._subgroups.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = root._subgroups[id(group)] = (group, Comm(group, parent=root))
+        return entry[1]
 
     def _work(self, work, track: str, nbytes: int, what: str, timeout: float | None = None) -> _TracedWork:
         # NCCL waits are stream orderings with the process group's own watchdog timeout; a
         # host-side timeout would block the host, so only gloo waits are bounded here.
-        if dist.get_backend() == "nccl":
-            return _TracedWork(work, track, nbytes, what, None)
-        return _TracedWork(work, track, nbytes, what, self.timeout if timeout is None else timeout)
+        if dist.get_backend(self.group) == "nccl":
+            return _TracedWork(work, track, nbytes, what, None, self.world_size)
+        return _TracedWork(work, track, nbytes, what, self.timeout if timeout is None else timeout, self.world_size)
 
     @property
     def initialized(self) -> bool:
@@ -88,11 +127,15 @@ class Comm:
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if self.initialized else 1
+        return dist.get_world_size(self.group) if self.initialized else 1
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if self.initialized else 0
+        return dist.get_rank(self.group) if self.initialized else 0
+
+    def _global(self, rank: int) -> int:
+        """The default group's number of this group's rank ``rank`` (what torch.distributed's src/dst take)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.traffic_bytes[kind] += nbytes
@@ -109,7 +152,8 @@ class Comm:
         self._count("all_gather", nbytes)
         if self.world_size == 1:
             return COPIER.copy(output, shard, "gg", "gather (local copy)")
-        return self._work(dist.all_gather_into_tensor(output, shard, async_op=True), "gg", nbytes, what, timeout)
+        return self._work(dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True), "gg", nbytes,
+                          what, timeout)
 
     def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter",
                            timeout: float | None = None):
@@ -118,27 +162,30 @@ class Comm:
         self._count("reduce_scatter", nbytes)
         if self.world_size == 1:
             return COPIER.copy(output, full, "rs", "reduce (local copy)")
-        return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes,
+        return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=self.group,
+                                                                  async_op=True), "rs", nbytes,
                           what, timeout)
 
-    def all_reduce_avg(self, tensor: torch.Tensor):
+    def all_reduce_avg(self, tensor: torch.Tensor, what: str = "all_reduce of a gradient (stage 0)",
+                       timeout: float | None = None):
         """Start averaging ``tensor`` in place over ranks."""
         nbytes = 2 * tensor.numel() * tensor.element_size()
         self._count("all_reduce", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return self._work(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True), "rs", nbytes,
-                          "all_reduce of a gradient (stage 0)")
+        return self._work(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=True), "rs",
+                          nbytes, what, timeout)
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str = "all_reduce", timeout: float | None = None) -> None:
         """Sum ``tensor`` in place over ranks (small scalars such as norms)."""
         if self.world_size > 1:
-            self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), "rs", 0, what, timeout).wait()
+            self._work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), "rs", 0, what,
+                       timeout).wait()
 
     @property
     def agreement_device(self) -> torch.device:
         """Where small control tensors go: the process group's device (NCCL: this process's GPU)."""
-        if self.initialized and dist.get_backend() == "nccl":
+        if self.initialized and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -148,7 +195,8 @@ class Comm:
             return row[None].clone()
         rows = row.new_empty(self.world_size * row.numel())  # (gloo takes a flat output only)
         self._count("agreement", rows.numel() * rows.element_size())  # control traffic, not ZeRO's
-        self._work(dist.all_gather_into_tensor(rows, row, async_op=True), "gg", 0, what, timeout).wait()
+        self._work(dist.all_gather_into_tensor(rows, row, group=self.group, async_op=True), "gg", 0, what,
+                   timeout).wait()
         return rows.view(self.world_size, row.numel())
 
     def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
@@ -160,7 +208,7 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast", timeout: float | None = None):
@@ -169,7 +217,8 @@ class Comm:
         self._count("broadcast", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return self._work(dist.broadcast(tensor, src=src, async_op=True), "gg", nbytes, what, timeout)
+        return self._work(dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True), "gg", nbytes,
+                          what, timeout)
 
     def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int, what: str = "broadcast",
                             timeout: float | None = None) -> None:
@@ -186,7 +235,8 @@ class Comm:
             flat = torch.cat([tensor.detach().reshape(-1) for tensor in group])
             nbytes = flat.numel() * flat.element_size()
             self._count("buffers", nbytes)
-            self._work(dist.broadcast(flat, src=src, async_op=True), "gg", nbytes, what, timeout).wait()
+            self._work(dist.broadcast(flat, src=self._global(src), group=self.group, async_op=True), "gg", nbytes,
+                       what, timeout).wait()
             at = 0
             with torch.no_grad():
                 for tensor in group:
@@ -199,8 +249,68 @@ class Comm:
         self._count("reduce", nbytes)
         if self.world_size == 1:
             return _DoneWork()
-        return self._work(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True), "rs", nbytes, what,
-                          timeout)
+        return self._work(dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group,
+                                      async_op=True), "rs", nbytes, what, timeout)
+
+
+    def mesh(self, shard_group=None, replicate_group=None) -> "MeshComm":
+        """The :class:`MeshComm` sharding over ``shard_group`` and replicating over ``replicate_group``
+        (None: the default group; no replicas).  One per pair of groups, so models compiled with the
+        same groups share it (and their parameters may share buckets)."""
+        root = self._parent or self
+        if shard_group is dist.GroupMember.WORLD:
+            shard_group = None
+        key = (id(shard_group), id(replicate_group))
+        mesh = root._meshes.get(key)
+        if mesh is None or mesh.groups != (shard_group, replicate_group):
+            replicate = root.subgroup(replicate_group) if replicate_group is not None else None
+            mesh = root._meshes[key] = MeshComm(root.subgroup(shard_group), replicate,
+                                                (shard_group, replicate_group))
+        return mesh
+
+
+class MeshComm:
+    """A model's data-parallel ranks: ``shard``, the group its parameters, gradients and optimizer
+    state are split over, and ``replicate`` (HSDP; None without), the group of ranks holding the same
+    shard, across which reduced gradients are averaged.
+
+    ``everyone`` is the group of all the model's ranks, for what every rank of the model must do
+    together (agreement, rank 0's initial values and buffers, the fp16 overflow flag): the shard
+    group, or with replicas the default group (a 2-D mesh must span it, see zinf_compiler/options.py).
+    """
+
+    def __init__(self, shard: Comm, replicate: Comm | None = None, groups: tuple = (None, None)):
+        self.shard = shard
+        self.replicate = replicate
+        self.groups = groups
+        self.everyone = shard if replicate is None else (shard._parent or shard)
+
+    @property
+    def world_size(self) -> int:
+        """All of the model's ranks (shards times replicas)."""
+        return self.shard.world_size * (self.replicate.world_size if self.replicate is not None else 1)
+
+    @property
+    def is_default(self) -> bool:
+        """Sharded over the default group, no replicas (what zinf does without a ``mesh`` option)."""
+        return self.shard.group is None and self.replicate is None
+
+    def average_replicas(self, tensor: torch.Tensor, what: str, timeout: float | None = None) -> None:
+        """Average ``tensor`` (a reduced gradient slice) in place across the replicas, if any."""
+        if self.replicate is not None and self.replicate.world_size > 1:
+            self.replicate.all_reduce_avg(tensor, what, timeout).wait()
+
+    def describe(self) -> str:
+        """Words for the mesh's shape, equal on every rank (in errors and the agreement's fingerprint)."""
+        if self.replicate is None:
+            return "the default group" if self.shard.group is None else f"a group of {self.shard.world_size} ranks"
+        return f"a mesh of {self.replicate.world_size} replicas x {self.shard.world_size} shards"
+
+    def __repr__(self) -> str:
+        return f"MeshComm({self.describe()})"
+
+    def __deepcopy__(self, memo) -> "MeshComm":
+        return self  # process groups are not copied (dataclasses.asdict deep-copies option values)
 
 
 COMM = Comm()

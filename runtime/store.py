@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 import torch
 
 from .aio import ALIGNMENT, AioEngine, AioError
-from .comm import COMM, Comm
+from .comm import COMM, Comm, MeshComm
 from .copy_engine import COPIER
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
@@ -85,6 +85,8 @@ class ParamRecord(ParamLayout):
     _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
     # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
     synced_version: int = 0
+    # The ranks it is sharded over (and, for HSDP, replicated across); set at adoption.
+    mesh: "MeshComm | None" = None
 
     @property
     def ledger(self) -> "Ledger":
@@ -125,7 +127,7 @@ class _ParamRef(weakref.ref):
 
 class ParamStore:
     def __init__(self, comm: Comm = COMM):
-        self.comm = comm
+        self.comm = comm  # the process's default group: parameters adopted without a mesh shard over it
         self._records: dict[int, ParamRecord] = {}
         # id(param) -> a weak reference to it that knows the uid; checked for identity
         # on lookup, so a new tensor at a dead one's address is never taken for it.
@@ -266,7 +268,8 @@ class ParamStore:
               param_tier: str = "device", opt_tier: str = "device",
               tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
               read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int = 0) -> ParamRecord:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int = 0,
+              mesh: MeshComm | None = None) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
@@ -283,23 +286,26 @@ class ParamStore:
         parameter's memory is never read, and nothing is broadcast.
         ``grad_ram_bytes`` (nvme optimizer tier): the process's budget of
         gradient bytes kept in CPU memory instead of swap files; parameters
-        take it in adoption order while it lasts.
+        take it in adoption order while it lasts.  ``mesh``: the ranks to shard
+        over (default: every rank of the default group; see runtime/comm.py).
 
         The store holds the parameter only weakly: when it is garbage-collected
         (its model and optimizer dropped), its shards, gradients, swap files and
         accounted bytes go with it (:meth:`_forget`).
         """
-        settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier)
+        mesh = mesh or self.comm.mesh()
+        settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier, mesh.describe())
         with self._lock:
             record = self.lookup(param)
             self.collect()
             if record is not None:
-                adopted = (record.stage, record.partition, record.compute_dtype, record.param_tier, record.opt_tier)
-                if adopted != settings:
+                adopted = (record.stage, record.partition, record.compute_dtype, record.param_tier, record.opt_tier,
+                           record.mesh.describe())
+                if adopted != settings or record.mesh is not mesh:
                     raise ZinfStoreError(
                         f"parameter {name} was adopted with (stage, partition, param_dtype, param tier, optimizer "
-                        f"tier) = {adopted}, now asked for {settings}; every compiled graph of a model must use the "
-                        f"same stage, partition, param_dtype and offload options"
+                        f"tier, mesh) = {adopted}, now asked for {settings}; every compiled graph of a model must "
+                        f"use the same stage, partition, param_dtype, offload options and mesh"
                     )
                 return record
             if not param.is_contiguous() or param.untyped_storage().nbytes() != param.numel() * param.element_size():
@@ -307,7 +313,7 @@ class ParamStore:
                     f"parameter {name} shares its storage with other tensors (or is not contiguous); "
                     f"zinf can only shard parameters that own their memory"
                 )
-            world_size, rank = self.comm.world_size, self.comm.rank
+            world_size, rank = mesh.shard.world_size, mesh.shard.rank
             # Integer and bool parameters (counters, masks) are never trained: kept
             # exact in their own dtype, never passed through a float dtype.
             exact = not param.is_floating_point()
@@ -327,7 +333,7 @@ class ParamStore:
                                  shard=torch.empty(0, dtype=compute_dtype), tile_rows=tile_rows,
                                  tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
                                  bucket_bytes=bucket_bytes,
-                                 param_id=id(param), synced_version=param._version,
+                                 param_id=id(param), synced_version=param._version, mesh=mesh,
                                  _ledger=ledger or self._ledger_for(param) or Ledger())
             if read_local is not None:
                 local = read_local(record)
@@ -338,7 +344,7 @@ class ParamStore:
                 full = param.detach()
                 if world_size > 1:
                     # Like DDP: every rank starts from rank 0's values.
-                    self.comm.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
+                    mesh.everyone.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
                                         timeout=record.ledger.collective_timeout).wait()
                 local = _local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
                                      tile_align)
@@ -608,6 +614,11 @@ class ParamStore:
     def _ledger_of(self, unit: Unit) -> "Ledger":
         return unit.pieces[0].layout.ledger
 
+    @staticmethod
+    def _shard_comm(unit: Unit) -> Comm:
+        """The group the unit's parameters are sharded over (one per unit: see _bucketed)."""
+        return unit.pieces[0].layout.mesh.shard
+
     def nc_start(self, unit: Unit) -> None:
         """Start reading the unit's shards (nvme tier) from their swap keys into one pinned buffer."""
         staging = self._pool(unit.sizes.pinned).acquire(unit.sizes.pinned, timeout=POOL_WAIT_SECONDS)
@@ -683,14 +694,14 @@ class ParamStore:
             return
         matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
         if unit.partition == "allgather":
-            work = self.comm.all_gather_into(matrix, local, f"all_gather of {unit.name}",
-                                             timeout=ledger.collective_timeout)
+            work = self._shard_comm(unit).all_gather_into(matrix, local, f"all_gather of {unit.name}",
+                                                          timeout=ledger.collective_timeout)
         else:
             owner = unit.pieces[0].layout.owner
             if local.numel():
                 matrix.copy_(local)
-            work = self.comm.broadcast(matrix, src=owner, what=f"broadcast of {unit.name}",
-                                       timeout=ledger.collective_timeout)
+            work = self._shard_comm(unit).broadcast(matrix, src=owner, what=f"broadcast of {unit.name}",
+                                                    timeout=ledger.collective_timeout)
         self._in_flight("gather", unit).append((work, matrix))
 
     def gather_wait(self, unit: Unit) -> list[torch.Tensor]:
@@ -763,13 +774,13 @@ class ParamStore:
                 piece.scatter(flat, unit.column_block(matrix, index))
             if unit.rows > 1:
                 out = torch.empty(unit.columns, dtype=unit.compute_dtype, device=unit.device)
-                work = self.comm.reduce_scatter_avg(out, matrix, f"reduce_scatter of the gradient of {unit.name}",
-                                                    timeout=ledger.collective_timeout)
+                work = self._shard_comm(unit).reduce_scatter_avg(
+                    out, matrix, f"reduce_scatter of the gradient of {unit.name}", timeout=ledger.collective_timeout)
             elif unit.world_size > 1:  # broadcast partition: summed on the owner
                 out = matrix
-                work = self.comm.reduce_sum(matrix, dst=unit.pieces[0].layout.owner,
-                                            what=f"reduce of the gradient of {unit.name}",
-                                            timeout=ledger.collective_timeout)
+                work = self._shard_comm(unit).reduce_sum(matrix, dst=unit.pieces[0].layout.owner,
+                                                         what=f"reduce of the gradient of {unit.name}",
+                                                         timeout=ledger.collective_timeout)
             else:
                 out, work = matrix, _DONE  # world size 1, fp16 or broadcast: nothing to average
             self._in_flight("reduce", unit).append((work, out))
@@ -787,12 +798,16 @@ class ParamStore:
         work.wait()
         if out is None:
             return  # added at the start (world size 1)
-        self._add_transient("device", -unit.sizes.reduce, ledger=self._ledger_of(unit))
+        ledger = self._ledger_of(unit)
+        self._add_transient("device", -unit.sizes.reduce, ledger=ledger)
         if unit.partition == "broadcast":
             if unit.pieces[0].layout.rank != unit.pieces[0].layout.owner:
                 return
             if unit.world_size > 1:
                 out = out / unit.world_size
+        # HSDP: the shard group's average, averaged across the replicas holding the same slice.
+        unit.pieces[0].layout.mesh.average_replicas(out, f"all_reduce of the gradient of {unit.name} across replicas",
+                                                    ledger.collective_timeout)
         if unit.compute_dtype == torch.float16:
             scaler = self._ledger_of(unit).fp16_scaler  # the model's own (one model's overflow is not another's)
             out = out.to(torch.float32) / scaler.scale
@@ -871,7 +886,8 @@ class ParamStore:
         units, bucket, held = [], [], 0
         for record in records:
             nbytes = record.gathered_numel * record.compute_dtype.itemsize
-            if bucket and (held + nbytes > record.bucket_bytes or not can_share_unit(bucket[0], record)):
+            if bucket and (held + nbytes > record.bucket_bytes or not can_share_unit(bucket[0], record)
+                           or record.mesh is not bucket[0].mesh):
                 units.append(self.unit(bucket))
                 bucket, held = [], 0
             bucket.append(record)

@@ -129,3 +129,36 @@ def test_zero_stages_match_eager(world):
     _check(results, world)
     _check_memory_report(results, world)
     _check_collective_counts(results, world)
+
+
+def test_hsdp_on_a_2x2_mesh_at_world_4_equals_eager():
+    """Issue 27 acceptance 2: option mesh, a 2-D DeviceMesh (replicate, shard) over 4 ranks: parameters
+    sharded within each pair of ranks, gradients reduce-scattered there and averaged across the pairs
+    (HSDP), at stages 1-3 and with CPU offload; a 1-D DeviceMesh over every rank trains like no mesh."""
+    configs = [{"stage": 3, "mesh": [2, 2]}, {"stage": 2, "mesh": [2, 2]},
+               {"stage": 1, "mesh": [2, 2], "offload_optimizer": "cpu"},
+               {"stage": 3, "mesh": [2, 2], "offload_param": "cpu", "offload_optimizer": "cpu", "bucket_bytes": 0},
+               {"stage": 3, "mesh": [4]}]
+    results = run_ranks(4, "zero_worker", {"model": MODEL, "steps": 3, "batch": 1, "configs": configs,
+                                           "mesh_refusals": True})
+    refusals = [rank_results.pop() for rank_results in results]
+    _check(results, 4)
+    for refused in refusals:  # on every rank alike
+        assert refused["stage 0"][0] == "ZinfOptionError" and "needs stage 1, 2 or 3" in refused["stage 0"][1], refused
+        assert refused["3-D mesh"][0] == "ZinfOptionError" and "3-D DeviceMesh" in refused["3-D mesh"][1], refused
+        assert "not settable from the environment" in refused["environment"][1], refused
+        assert refused["save"][0] == "ZinfCheckpointError", refused
+        assert "sharded over a mesh of 2 replicas x 2 shards" in refused["save"][1], refused
+    for rank_results in results:
+        for config_result in rank_results:
+            config, calls = config_result["config"], config_result["calls_per_step"]
+            if config["mesh"] == [2, 2]:
+                # Each rank keeps half of every parameter (its shard group has 2 ranks), not a quarter.
+                if config["stage"] == 3 and config.get("offload_param") is None:
+                    total = 4 * sum(config_result["param_numels"].values())
+                    padding = 4 * 2 * len(config_result["param_numels"])
+                    params = config_result["report"]["device"]["params"]
+                    assert total / 2 <= params <= total / 2 + padding, (config, params, total)
+                assert calls.get("all_reduce", 0) >= calls["reduce_scatter"] > 0, (config, calls)
+            else:
+                assert calls.get("all_reduce", 0) == 0, (config, calls)

@@ -33,6 +33,11 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     reference = GPT(cfg)
     model = copy.deepcopy(reference)
     options = {"lower": "eager", **config}
+    if "mesh" in config:  # [replicas, shards] (HSDP) or [shards]: a DeviceMesh over every rank
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("replicate", "shard") if len(config["mesh"]) == 2 else ("shard",)
+        options["mesh"] = init_device_mesh("cpu", tuple(config["mesh"]), mesh_dim_names=names)
     if "nvme" in (config.get("offload_param"), config.get("offload_optimizer"), config.get("offload_activations")):
         options["nvme_path"] = os.environ["TMPDIR"]
     compiled = torch.compile(model, backend="zinf", options=options)
@@ -96,10 +101,41 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     return result
 
 
+def mesh_refusals(cfg: GPTConfig, world: int) -> dict:
+    """What zinf refuses about option mesh, each as the error's type and message."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    compiled = torch.compile(model, backend="zinf", options={"stage": 3, "lower": "eager", "mesh": mesh})
+    idx, targets = next(iter(synthetic_batches(cfg, 1, 1)))
+    compiled(idx, targets).backward()
+    refusals = {}
+    attempts = {
+        "stage 0": lambda: torch.compile(GPT(cfg), backend="zinf", options={"stage": 0, "mesh": mesh})(idx, targets),
+        "3-D mesh": lambda: zinf.parse_options({"mesh": init_device_mesh("cpu", (1, 2, world // 2))}),
+        "environment": lambda: zinf.parse_options({}, environ={"ZINF_MESH": "2x2"}),
+        "save": lambda: zinf.save(os.path.join(os.environ["TMPDIR"], "ckpt"), compiled),
+    }
+    for what, attempt in attempts.items():
+        torch._dynamo.reset()
+        try:
+            attempt()
+            refusals[what] = None
+        except Exception as err:  # noqa: BLE001  (the test reads which error)
+            while not type(err).__name__.startswith("Zinf") and (err.__cause__ or err.__context__):
+                err = err.__cause__ or err.__context__  # (Dynamo wraps a backend's error)
+            refusals[what] = [type(err).__name__, str(err)]
+    return refusals
+
+
 def main() -> None:
     args, world, rank = start_rank()
     cfg = GPTConfig(**args["model"], frozen_scale=True)
     results = [train(config, cfg, world, rank, args["steps"], args["batch"]) for config in args["configs"]]
+    if args.get("mesh_refusals"):
+        results.append(mesh_refusals(cfg, world))
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
         json.dump(results, handle)
     finish_rank()

@@ -65,11 +65,12 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
 def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> Callable:
     STORE.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
-    captured.world_size = STORE.comm.world_size
+    captured.mesh = model_mesh(options)
+    captured.world_size = captured.mesh.shard.world_size
     # Collectives of no model (stage 0's all-reduce, checkpoints' exchanges): the last compile's setting;
     # each model's own use its ledger's (set below).
     STORE.comm.timeout = options.collective_timeout
-    if captured.world_size > 1:
+    if captured.mesh.everyone.world_size > 1:
         _agree_before_compiling(captured)
     adopted = []
     if options.stage > 0:
@@ -142,7 +143,7 @@ def _agree_before_compiling(captured: CapturedGraph) -> None:
                 captured.options.offload_activations)
     runs_collectives = (not is_profiled(device, DTYPES[captured.options.param_dtype],
                                         captured.options.nvme_path if "nvme" in offloads else None,
-                                        captured.world_size)
+                                        captured.mesh.everyone)
                         or (captured.options.stage > 0
                             and any(STORE.lookup(param) is None for param in captured.param_tensors.values())))
     if runs_collectives:
@@ -169,7 +170,7 @@ def _agree(captured: CapturedGraph, doing: int) -> None:
                  f"graph {captured.graph_id} (no parameters)")
         return {"graph": words, "options": _collective_options(captured), "params": _state_shapes(captured)}
 
-    agreement.check(STORE.comm, doing, captured.graph_print, captured.config_print, describe,
+    agreement.check(captured.mesh.everyone, doing, captured.graph_print, captured.config_print, describe,
                     captured.options.collective_timeout)
 
 
@@ -191,7 +192,7 @@ def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_row
         param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
         param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
         opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
-        bucket_bytes=options.bucket_bytes, grad_ram_bytes=options.nvme_grad_ram_bytes,
+        bucket_bytes=options.bucket_bytes, grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=captured.mesh,
     )
 
 
@@ -219,9 +220,10 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
       model's ledger (stage 0: the process's).
     """
     slots = [info.position for info in captured.params]
-    check_calls = captured.world_size > 1 and captured.options.rank_agreement == "call"
+    everyone = captured.mesh.everyone  # (a 2-D mesh: replicas too)
+    check_calls = everyone.world_size > 1 and captured.options.rank_agreement == "call"
     buffer_slots = ([info.position for info in captured.inputs if info.kind == "buffer"]
-                    if captured.options.broadcast_buffers and captured.world_size > 1 else [])
+                    if captured.options.broadcast_buffers and everyone.world_size > 1 else [])
 
     def bind(args) -> Binding:
         STORE.collect()
@@ -257,7 +259,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
         if check_calls:
             _agree(captured, agreement.FORWARD)
         if buffer_slots:
-            STORE.comm.broadcast_coalesced([inputs[slot] for slot in buffer_slots], src=0,
+            everyone.broadcast_coalesced([inputs[slot] for slot in buffer_slots], src=0,
                                            what=f"broadcast of graph {captured.graph_id}'s buffers from rank 0",
                                            timeout=captured.options.collective_timeout)
         if captured.options.stage == 0:
@@ -307,6 +309,11 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, 
 TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 
+def model_mesh(options: ZinfOptions):
+    """The ranks a model with ``options`` shards over (option ``mesh``; default: every rank)."""
+    return options.mesh or STORE.comm.mesh()
+
+
 def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
     """Device bytes the tile plan must fit: ``device_memory_limit``, else free CUDA memory, else unknown."""
     if options.device_memory_limit is not None:
@@ -317,7 +324,7 @@ def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
             # New parameters get their tile layout now: the least any rank has, so every rank tiles
             # alike (the tiles' gathers are collectives).  Every rank compiles here together (this
             # compile agreed first: _agree_before_compiling).
-            return agreed_free_bytes(device, captured.world_size)
+            return agreed_free_bytes(device, captured.mesh.everyone)
         # Every layout is fixed already; a recompile may happen on one rank alone: no collective.
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return free_bytes
@@ -330,7 +337,7 @@ def _plan_schedule(captured: CapturedGraph, options: ZinfOptions) -> None:
     device = devices[0] if devices else torch.device("cpu")
     offloads = (options.offload_param, options.offload_optimizer, options.offload_activations)
     nvme_path = options.nvme_path if "nvme" in offloads else None
-    profile = profile_machine(device, DTYPES[options.param_dtype], nvme_path, captured.world_size)
+    profile = profile_machine(device, DTYPES[options.param_dtype], nvme_path, captured.mesh.everyone)
     captured.cost_model = CostModel(profile, captured.world_size, STORE.prefetch_pinned_bytes())
     if options.max_live_bytes != "auto":
         captured.live_bytes_cap = options.max_live_bytes
@@ -347,7 +354,7 @@ def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
                             options.aio_queue_depth, options.aio_threads, options.nvme_copies)
     if "nvme" not in (options.offload_param, options.offload_optimizer):
         return
-    world = STORE.comm.world_size
+    world = model_mesh(options).shard.world_size
     needed = 0
     for param in params:
         if STORE.lookup(param) is not None:

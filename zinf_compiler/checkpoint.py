@@ -81,6 +81,21 @@ __all__ = ["save", "load", "latest", "export", "to_safetensors", "ZinfCheckpoint
 # --- what a model and its optimizer hold ---------------------------------------------
 
 
+def _refuse_meshes(model: torch.nn.Module, what: str, spanning_ok: bool = False) -> None:
+    """Refuse a model sharded over a ``mesh`` option's groups (checkpoint files are numbered by the
+    default group's ranks); ``spanning_ok``: a mesh over every rank is fine (export gathers)."""
+    for _, param in _named_params(model):
+        record = STORE.lookup(param)
+        if record is None or record.mesh.is_default:
+            continue
+        if spanning_ok and record.mesh.everyone.world_size == STORE.comm.world_size:
+            continue
+        raise ZinfCheckpointError(
+            f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh); "
+            f"checkpoints of such models are not supported yet. zinf.full_state_dict(model) gathers every weight "
+            f"on every rank of the mesh (save it from one rank with torch.save; load it with model.load_state_dict)")
+
+
 def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return list(_unwrap(model).named_parameters())  # tied parameters once, under their first name
 
@@ -191,6 +206,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     comm = STORE.comm
     rank, world_size = comm.rank, comm.world_size
     STORE.collect()
+    _refuse_meshes(model, "save")
     started = time.perf_counter()
     if optimizer is not None:
         _check_optimizer(optimizer)
@@ -806,6 +822,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     path = os.path.abspath(os.fspath(path))
     comm = STORE.comm
     STORE.collect()
+    _refuse_meshes(model, "load")
     try:
         checkpoint = Checkpoint(path)
         error = None
@@ -1087,6 +1104,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     comm = STORE.comm
     rank = comm.rank
     STORE.collect()
+    _refuse_meshes(model, "export", spanning_ok=True)
     module = _unwrap(model)
     named = _named_params(module)
     tensors = [(name, param) for name, param in named] + _named_buffers(module, {id(p) for _, p in named})

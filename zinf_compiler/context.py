@@ -65,6 +65,9 @@ class CapturedGraph:
     # (:class:`zinf_compiler.runtime.units.ParamLayout`, a copy): what the
     # passes size units with (see zinf_compiler/plan.py).
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # Ranks the graph's parameters are sharded over (world_size of them) and, for HSDP, replicated
+    # across: a runtime.comm.MeshComm, set by the backend (None outside it).
+    mesh: Any = None
     world_size: int = 1
     # Caps the schedule pass keeps (set by the backend): device bytes gathered
     # or in flight (max_live_bytes, None: no cap) and pinned host bytes the nc

@@ -40,9 +40,12 @@ import os
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .runtime.comm import Comm
 
 _cache: dict[tuple, "MachineProfile"] = {}
 _cache_lock = threading.Lock()
@@ -86,24 +89,29 @@ def nominal_profile(device: str = "cpu", dtype: str = "fp32") -> MachineProfile:
                           free_device_bytes=None, source="nominal")
 
 
-def is_profiled(device: torch.device, dtype: torch.dtype, nvme_path: str | None, world_size: int) -> bool:
+def is_profiled(device: torch.device, dtype: torch.dtype, nvme_path: str | None, comm: "Comm") -> bool:
     """Whether :func:`profile_machine` has these rates already (then it runs no collective)."""
     if os.environ.get("ZINF_COST_PROFILE", "").lower() == "nominal":
         return True
     with _cache_lock:
-        return (str(device), dtype, nvme_path, world_size) in _cache
+        return _key(device, dtype, nvme_path, comm) in _cache
 
 
-def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | None, world_size: int) -> MachineProfile:
+def _key(device: torch.device, dtype: torch.dtype, nvme_path: str | None, comm: "Comm") -> tuple:
+    return (str(device), dtype, nvme_path, comm.world_size, id(comm))  # (a Comm lives as long as the process)
+
+
+def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | None, comm: "Comm") -> MachineProfile:
     """The rates of ``device`` (measured once per process and key; see the module docstring).
 
-    Collective: every rank must call this at the same point (compiles are;
-    the all-gather probe is a collective).
+    Collective over ``comm`` (the ranks of the model, runtime/comm.py): each of
+    them must call this at the same point (compiles are; the all-gather probe
+    and the averaging of rates are collectives).
     """
     dtype_name = str(dtype).replace("torch.", "")
     if os.environ.get("ZINF_COST_PROFILE", "").lower() == "nominal":
         return nominal_profile(device.type, dtype_name)
-    key = (str(device), dtype, nvme_path, world_size)
+    key = _key(device, dtype, nvme_path, comm)
     with _cache_lock:
         cached = _cache.get(key)
     if cached is not None:
@@ -121,11 +129,11 @@ def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | N
         host_to_device=_probe_copy(torch.device("cpu"), device) if device.type == "cuda" else _probe_copy(device, device),
         disk_read=disk_read,
         disk_write=disk_write,
-        collective=_probe_collective(device) if world_size > 1 else None,
-        free_device_bytes=agreed_free_bytes(device, world_size),
+        collective=_probe_collective(device, comm) if comm.world_size > 1 else None,
+        free_device_bytes=agreed_free_bytes(device, comm),
         probe_seconds=time.perf_counter() - started,
     )
-    profile = _agreed_rates(profile, device, world_size)
+    profile = _agreed_rates(profile, device, comm)
     with _cache_lock:
         _cache[key] = profile
     return profile
@@ -198,49 +206,50 @@ def _probe_disk(folder: str) -> tuple[float | None, float | None]:
             pass
 
 
-def _probe_collective(device: torch.device) -> float | None:
+def _probe_collective(device: torch.device, comm: "Comm") -> float | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    world = dist.get_world_size()
+    world = comm.world_size
     shard = torch.ones((4 << 20) // 4 // world, device=device)
     gathered = torch.empty(shard.numel() * world, device=device)
-    seconds = _timed(lambda: dist.all_gather_into_tensor(gathered, shard), device, repeats=2)
+    seconds = _timed(lambda: dist.all_gather_into_tensor(gathered, shard, group=comm.group), device, repeats=2)
     return gathered.numel() * 4 / seconds
 
 
 _RATES = ("matmul_flops", "memory_bandwidth", "host_to_device", "disk_read", "disk_write", "collective")
 
 
-def _group(world_size: int):
+def _distributed(comm: "Comm"):
+    """torch.distributed when ``comm``'s ranks must agree (more than one of them), else None."""
     import torch.distributed as dist
 
-    return dist if world_size > 1 and dist.is_available() and dist.is_initialized() else None
+    return dist if comm.world_size > 1 and dist.is_available() and dist.is_initialized() else None
 
 
-def _agreed_rates(profile: "MachineProfile", device: torch.device, world_size: int) -> "MachineProfile":
-    """Every rank's rates averaged over ranks (a collective), so every rank decides alike."""
-    dist = _group(world_size)
+def _agreed_rates(profile: "MachineProfile", device: torch.device, comm: "Comm") -> "MachineProfile":
+    """Every rank's rates averaged over ``comm``'s ranks (a collective), so every rank decides alike."""
+    dist = _distributed(comm)
     if dist is None:
         return profile
     rates = [getattr(profile, name) for name in _RATES]
     packed = torch.tensor([-1.0 if rate is None else float(rate) for rate in rates], dtype=torch.float64,
                           device=device)
-    dist.all_reduce(packed)
-    averaged = (packed / dist.get_world_size()).tolist()
+    dist.all_reduce(packed, group=comm.group)
+    averaged = (packed / comm.world_size).tolist()
     return dataclasses.replace(profile, **{name: None if rate is None else averaged[index]
                                            for index, (name, rate) in enumerate(zip(_RATES, rates))})
 
 
-def agreed_free_bytes(device: torch.device, world_size: int) -> int | None:
-    """The free device memory of the rank with the least (a collective at world size > 1)."""
+def agreed_free_bytes(device: torch.device, comm: "Comm") -> int | None:
+    """The free device memory of the rank of ``comm`` with the least (a collective when it has several)."""
     free = _free_device_bytes(device)
-    dist = _group(world_size)
+    dist = _distributed(comm)
     if dist is None or free is None:
         return free
     smallest = torch.tensor([free], dtype=torch.int64, device=device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=comm.group)
     return int(smallest.item())
 
 

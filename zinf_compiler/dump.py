@@ -87,7 +87,8 @@ class GraphDumper:
         entry = {
             "graph_id": self.captured.graph_id,
             "folder": os.path.basename(self.folder),
-            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in self.captured.options.as_dict().items()},
+            "options": {k: list(v) if isinstance(v, tuple) else (v.describe() if k == "mesh" and v is not None else v)
+                        for k, v in self.captured.options.as_dict().items()},
             "params": [
                 {"name": p.name, "shape": list(p.shape or ()), "dtype": str(p.dtype), "bytes": p.nbytes,
                  "requires_grad": p.requires_grad}

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .backend import TIERS, plan_offload
+from .backend import TIERS, model_mesh, plan_offload
 from .checkpoint import _aliases
 from .options import parse_options
 from .runtime.aio import human_bytes
@@ -147,7 +147,7 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
                                  param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
                                  opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed),
                                  read_local=read_local, bucket_bytes=parsed.bucket_bytes,
-                                 grad_ram_bytes=parsed.nvme_grad_ram_bytes)
+                                 grad_ram_bytes=parsed.nvme_grad_ram_bytes, mesh=model_mesh(parsed))
             STORE.release_full_storage([record])
             done += real.numel()
         if ready:
@@ -182,7 +182,7 @@ def _tile_plan(name: str, param: torch.Tensor, options) -> tuple[int, ...] | Non
     if param.dim() != 2 or nbytes <= options.tile_threshold or tile.NAME in options.disable_passes:
         return None
     rows, row_bytes = param.shape[0], param.shape[1] * DTYPES[options.param_dtype].itemsize
-    factor = tile.choose_factor(name, rows, row_bytes, options, STORE.comm.world_size,
+    factor = tile.choose_factor(name, rows, row_bytes, options, model_mesh(options).shard.world_size,
                                 options.device_memory_limit, 0)
     return tile.split_rows(rows, factor) if factor > 1 else None
 

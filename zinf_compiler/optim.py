@@ -139,6 +139,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
             self._slots.append(group_slots)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": [slot.master for slot in group_slots]})
+        meshes = {id(record.mesh): record.mesh for record in self._records()}
+        if len(meshes) > 1:
+            raise ValueError(
+                "zinf optimizer over parameters sharded over different ranks (models compiled with different "
+                f"mesh options: {', '.join(mesh.describe() for mesh in meshes.values())}); its gradient norm and "
+                "fp16 overflow checks span one group of ranks: use one optimizer per mesh")
         self._inner = self._make_inner(inner_groups)
         if self._nvme_slots:
             self._nvme = NvmeAdam(STORE, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
@@ -169,6 +175,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def _records(self) -> list[ParamRecord]:
         return [slot.record for slot in self._all_slots() if slot.record is not None]
+
+    def _mesh(self):
+        """The ranks this optimizer's parameters are sharded over (one mesh: see _bind_slots)."""
+        records = self._records()
+        return records[0].mesh if records else STORE.comm.mesh()
 
     def _reduce_stage1_grads(self) -> None:
         STORE.reduce_full_grads([r for r in self._records() if r.stage == 1])
@@ -241,7 +252,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             # On the compute device: the shard may rest on the CPU, which NCCL cannot reduce.
             # The scale of this optimizer's model (its parameters share one ledger: ParamStore.group).
             ledger = fp16_records[0].ledger
-            if ledger.fp16_scaler.should_skip_step(STORE.comm, fp16_records[0].device, ledger.collective_timeout):
+            if ledger.fp16_scaler.should_skip_step(self._mesh().everyone, fp16_records[0].device, ledger.collective_timeout):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 STORE.drop_grads(self._records())
                 TRACER.step_done()
@@ -366,7 +377,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
             else:
                 replicated_sq += squared  # every rank holds the same full gradient
         records = self._records()
-        STORE.comm.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)",
+        # Over the shard group: each element lives on one rank of it (HSDP replicas hold the same ones).
+        self._mesh().shard.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)",
                                   records[0].ledger.collective_timeout if records else None)
         total_norm = (sharded_sq + replicated_sq).sqrt().to(torch.float32)
         clip_coef = float(max_norm) / (total_norm.item() + 1e-6)
@@ -386,16 +398,17 @@ class ZinfOptimizer(torch.optim.Optimizer):
             )
         self._sync_hyperparameters()
         state = self._inner.state_dict()
-        state["zinf"] = {"world_size": STORE.comm.world_size, "rank": STORE.comm.rank}
+        shard = self._mesh().shard
+        state["zinf"] = {"world_size": shard.world_size, "rank": shard.rank}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         saved = state_dict.pop("zinf", None)
-        if saved is not None and saved["world_size"] != STORE.comm.world_size:
+        if saved is not None and saved["world_size"] != self._mesh().shard.world_size:
             raise ValueError(
                 f"optimizer state was saved at world size {saved['world_size']}, this run has "
-                f"{STORE.comm.world_size}; per-rank optimizer shards only load into the same world size"
+                f"{self._mesh().shard.world_size}; per-rank optimizer shards only load into the same world size"
             )
         if self._inner is None and not any(STORE.lookup(p) is not None
                                            for group in self.param_groups for p in group["params"]):

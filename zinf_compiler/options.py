@@ -142,6 +142,40 @@ def _name_list(value: Any) -> tuple[str, ...]:
     raise ValueError("a list of pass names or a comma-separated string")
 
 
+def _mesh(value: Any):
+    """None (the default group), a ProcessGroup, or a 1-D or 2-D DeviceMesh, as a runtime MeshComm."""
+    from .runtime.comm import COMM, MeshComm
+
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, MeshComm):
+        return value
+    import torch.distributed as dist
+
+    accepted = "None, a torch.distributed ProcessGroup, or a 1-D or 2-D DeviceMesh (dims: replicate, shard)"
+    if isinstance(value, str) or not dist.is_available():
+        raise ValueError(accepted + " (not settable from the environment)")
+    if not dist.is_initialized():
+        raise ValueError(accepted + " of an initialized torch.distributed (call init_process_group first)")
+    if isinstance(value, dist.ProcessGroup):
+        return COMM.mesh(value)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(value, DeviceMesh):
+        if value.ndim == 1:
+            return COMM.mesh(value.get_group(0))
+        if value.ndim == 2:
+            if value.size(1) < 2:
+                raise ValueError("a 2-D DeviceMesh with at least 2 ranks per shard group (dim 1); to replicate "
+                                 "without sharding, use DistributedDataParallel")
+            if value.size() != dist.get_world_size():
+                raise ValueError(f"a 2-D DeviceMesh spanning every rank (this one has {value.size()} of "
+                                 f"{dist.get_world_size()}); shard a subset of ranks with a 1-D mesh or a ProcessGroup")
+            return COMM.mesh(value.get_group(1), value.get_group(0))
+        raise ValueError(f"{accepted}; got a {value.ndim}-D DeviceMesh (tensor parallel dims are not supported)")
+    raise ValueError(f"{accepted}; got {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptionSpec:
     name: str
@@ -204,6 +238,10 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "call (forward and backward) and each compile that runs collectives, and raise naming what differs "
                "instead of pairing the wrong collectives; compile: only at compiles (saves a tiny all-gather, and "
                "on NCCL a host sync, per call)"),
+    OptionSpec("mesh", None, _mesh,
+               "the ranks to shard over: None (every rank), a ProcessGroup or a 1-D DeviceMesh (shard over its "
+               "ranks), or a 2-D DeviceMesh (replicate, shard) spanning every rank: HSDP, parameters sharded within "
+               "each row and gradients averaged across rows (not settable from the environment)"),
     OptionSpec("broadcast_buffers", True, _boolean,
                "at world size > 1, each compiled graph first copies rank 0's buffers (BatchNorm running "
                "statistics) to every rank, as DistributedDataParallel's default does; False: each rank keeps its own"),
@@ -252,6 +290,7 @@ class ZinfOptions:
     pinned_bytes: int | str
     collective_timeout: int
     rank_agreement: str
+    mesh: Any  # runtime.comm.MeshComm, or None: the default group
     broadcast_buffers: bool
     lower: str
     dump_dir: str | None
@@ -325,6 +364,9 @@ def parse_options(
             f"offload_param={values['offload_param']!r} needs stage=3 (at stages 0-2 every rank keeps full "
             f"parameters on the device); got stage={values['stage']}"
         )
+    if values["mesh"] is not None and not values["mesh"].is_default and values["stage"] == 0:
+        raise ZinfOptionError(f"option mesh ({values['mesh'].describe()}) needs stage 1, 2 or 3; stage 0 is plain "
+                              f"data parallel over every rank (DistributedDataParallel takes a process_group)")
     if values["offload_optimizer"] != "none" and values["stage"] == 0:
         raise ZinfOptionError("offload_optimizer needs a sharded optimizer: stage 1, 2 or 3 (got stage=0)")
     if "nvme" in (values["offload_param"], values["offload_optimizer"], values["offload_activations"]) and not values["nvme_path"]:
