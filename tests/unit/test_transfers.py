@@ -1,0 +1,170 @@
+"""In-process unit tests of the store's transfers (issue 27: a fast tier; no compile, no process group).
+
+Each test builds a store of its own (``ParamStore()``, world size 1) and
+drives one unit through the steps the graph's ops take: nc (NVMe -> pinned
+buffer), cg (CPU or pinned -> device), gather, release, and the gradient's
+reduce, in the legal orders and in illegal ones, which must raise naming the
+op and the unit instead of pairing with another transfer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zinf_compiler.runtime.ledger import ZinfStoreError
+from zinf_compiler.runtime.store import ParamStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = ParamStore()
+    store.configure_offload(str(tmp_path), 16 << 20, aio_block_size=1 << 20, aio_queue_depth=4, aio_threads=1)
+    yield store
+    for engine in store.engines():
+        engine.close()
+    if store.pinned is not None:
+        store.pinned.close()
+
+
+_ALIVE: list = []  # the store holds parameters weakly: a collected one's state is freed
+
+
+@pytest.fixture(autouse=True)
+def _params_live_for_the_test():
+    yield
+    _ALIVE.clear()
+
+
+def _adopt(store: ParamStore, tier: str, rows: int = 6, name: str = "w") -> tuple[torch.Tensor, object]:
+    """A stage-3 parameter adopted on ``tier``: its value before, and its record."""
+    torch.manual_seed(rows)
+    param = torch.nn.Parameter(torch.randn(rows, 5))
+    _ALIVE.append(param)
+    expected = param.detach().clone()
+    record = store.adopt(param, name, stage=3, partition="allgather", param_dtype="fp32", param_tier=tier)
+    store.release_full_storage([record])
+    return expected, record
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+def test_each_tier_fetches_the_value_by_its_steps_and_gives_every_byte_back(store, tier):
+    expected, record = _adopt(store, tier)
+    unit = store.unit([record])
+    if tier == "nvme":
+        store.nc_start(unit)
+        store.nc_wait(unit)
+        assert store.pinned.in_use_bytes > 0
+    if tier != "device":
+        store.cg_start(unit)
+        store.cg_wait(unit)
+    store.gather_start(unit)
+    (value,) = store.gather_wait(unit)
+    assert torch.equal(value.view_as(expected), expected)
+    assert record.ledger.transient["device"] > 0
+    store.release(unit)
+    assert record.ledger.transient["device"] == 0 and store.transient["device"] == 0
+    assert store.pinned is None or store.pinned.in_use_bytes == 0
+
+
+def test_a_gather_without_its_fetch_steps_fetches_synchronously(store):
+    expected, record = _adopt(store, "nvme")
+    unit = store.unit([record])
+    store.gather_start(unit)  # no nc/cg ran (outside a graph): fetched here
+    assert torch.equal(store.gather_wait(unit)[0].view_as(expected), expected)
+    store.release(unit)
+    assert store.pinned.in_use_bytes == 0
+
+
+@pytest.mark.parametrize("op", ["nc_wait", "cg_wait", "gather_wait", "reduce_grad_wait"])
+def test_a_wait_without_its_start_raises_naming_the_op_and_the_unit(store, op):
+    _, record = _adopt(store, "nvme")
+    unit = store.unit([record])
+    with pytest.raises(ZinfStoreError, match=rf"{op} for w without"):
+        getattr(store, op)(unit)
+
+
+def test_a_copy_to_the_device_of_an_nvme_unit_before_its_read_raises(store):
+    _, record = _adopt(store, "nvme")
+    with pytest.raises(ZinfStoreError, match=r"cg_start \(after a finished nc\) for w without a matching start"):
+        store.cg_start(store.unit([record]))
+
+
+def test_transfers_of_one_unit_pair_first_in_first_out_and_units_do_not_mix(store):
+    first_value, first = _adopt(store, "cpu", rows=6, name="a")
+    second_value, second = _adopt(store, "cpu", rows=8, name="b")
+    unit_a, unit_b = store.unit([first]), store.unit([second])
+    store.gather_start(unit_a)
+    store.gather_start(unit_b)
+    store.gather_start(unit_a)  # a second gather of a in flight (a prefetch for the backward)
+    assert torch.equal(store.gather_wait(unit_b)[0].view_as(second_value), second_value)
+    for _ in range(2):
+        assert torch.equal(store.gather_wait(unit_a)[0].view_as(first_value), first_value)
+    with pytest.raises(ZinfStoreError, match="gather_wait for a without a matching start"):
+        store.gather_wait(unit_a)
+    for unit in (unit_a, unit_b, unit_a):
+        store.release(unit)
+    assert store.transient["device"] == 0
+
+
+def test_a_bucket_is_one_unit_and_gathers_each_parameter(store):
+    values, records = zip(*(_adopt(store, "cpu", rows=rows, name=f"p{rows}") for rows in (3, 4, 7)))
+    unit = store.unit(records)
+    assert unit is store.unit(records)  # built once
+    store.gather_start(unit)
+    for value, gathered in zip(values, store.gather_wait(unit)):
+        assert torch.equal(gathered.view_as(value), value)
+    store.release(unit)
+
+
+def test_abandoned_transfers_give_their_pinned_buffers_and_counted_bytes_back(store):
+    _, record = _adopt(store, "nvme")
+    unit = store.unit([record])
+    store.nc_start(unit)
+    store.nc_start(unit)
+    store.nc_wait(unit)
+    store.cg_start(unit)  # one read went on to the device copy, one is still read
+    assert store.pinned.in_use_bytes > 0 and record.ledger.transient["device"] > 0
+    store.abandon_transfers()  # a graph raised half way
+    assert store.pinned.in_use_bytes == 0
+    assert record.ledger.transient["device"] == 0 and store.transient["device"] == 0
+    with pytest.raises(ZinfStoreError, match="cg_wait for w without"):
+        store.cg_wait(unit)  # the next call's waits never pair with the stale starts
+
+
+@pytest.mark.parametrize("opt_tier", ["device", "cpu"])
+def test_reduced_gradients_add_up_in_the_gradient_shard_until_dropped(store, opt_tier):
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    record = store.adopt(param, "g", stage=2, partition="allgather", param_dtype="fp32", opt_tier=opt_tier)
+    unit = store.unit([record])
+    grads = [torch.randn(4, 3), torch.randn(4, 3)]
+    for grad in grads:
+        store.reduce_grad_start(unit, [grad])
+        store.reduce_grad_wait(unit)
+    assert torch.allclose(record.grad_shard.view(4, 3), grads[0] + grads[1])
+    assert record.grad_shard.device.type == "cpu"
+    held = store.resting["device" if opt_tier == "device" else "cpu"]
+    store.drop_grads([record])
+    assert record.grad_shard is None and store.resting["device" if opt_tier == "device" else "cpu"] < held
+    with pytest.raises(ZinfStoreError, match="2 gradients for 1 parameters"):
+        store.reduce_grad_start(unit, grads)
+
+
+def test_a_collected_parameter_frees_its_shard_and_its_counted_bytes(store):
+    param = torch.nn.Parameter(torch.randn(6, 5))
+    store.adopt(param, "gone", stage=3, partition="allgather", param_dtype="fp32", param_tier="cpu")
+    assert store.resting["cpu"] > 0 and len(store.records()) == 1
+    del param
+    store.collect()  # (the weakref callback only queued it)
+    assert store.records() == [] and store.resting == {"device": 0, "cpu": 0}
+
+
+def test_a_parameter_keeps_the_mesh_it_was_adopted_with(store):
+    from zinf_compiler.runtime.comm import COMM, MeshComm
+
+    param = torch.nn.Parameter(torch.randn(4, 4))
+    record = store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32")
+    assert record.mesh is COMM.mesh() and record.mesh.is_default and record.mesh.everyone is COMM
+    assert store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=COMM.mesh()) is record
+    with pytest.raises(ZinfStoreError, match="same stage, partition, param_dtype, offload options and mesh"):
+        store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=MeshComm(COMM))
