@@ -439,24 +439,7 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
         print("- every measured step moved the same bytes, every rank counted the same, "
               "and zinf's COMM counters equal the bytes handed to torch.distributed")
 
-    # Same training on every variant: the losses should agree (a sanity check on the comparison).
-    print("\n| variant | loss, first measured step | loss, last measured step |\n|---|---|---|")
-    for name, entry in variants.items():
-        print(f"| {name} | {entry['losses'][0]:.6f} | {entry['losses'][-1]:.6f} |")
-
-    medians = {name: statistics.median(entry["times_ms"]) for name, entry in variants.items()}
-    baseline = FSDP2 if FSDP2 in medians else DDP
-    if head["fsdp_error"]:
-        print(f"\nFSDP2 could not run here: {head['fsdp_error']}")
-    for name, error in head["errors"].items():
-        print(f"\n{name} failed: {error}")
-    print(f"\nStep time on rank 0 (forward + backward + step + zero_grad), {head['measured_steps']} steps per "
-          f"variant, variants interleaved per round; load average {head['load']} at the end of the run")
-    print(f"\n| variant | median step (ms) | quartiles (ms) | median vs {baseline} |\n|---|---|---|---|")
-    for name, median in medians.items():
-        times = variants[name]["times_ms"]
-        low, _, high = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0], None, times[0])
-        print(f"| {name} | {median:.1f} | {low:.1f} - {high:.1f} | {median / medians[baseline]:.2f} |")
+    _print_losses_and_step_times(head)
 
 
 def _report_hsdp(args: argparse.Namespace, results: list[dict]) -> None:
@@ -497,15 +480,29 @@ def _report_hsdp(args: argparse.Namespace, results: list[dict]) -> None:
     print("\nwire: the bytes handed to torch.distributed (all-gather: output, reduce-scatter: input, all-reduce: "
           "2x size, broadcast: size), the only count FSDP2 and DDP have; zinf's also include its control traffic "
           "(the ranks' fingerprint all-gathers, rank 0's buffers).")
+    _print_losses_and_step_times(head)
+
+
+def _print_losses_and_step_times(head: dict) -> None:
+    """The variants' losses (same training: they should agree) and step times, medians against FSDP2."""
+    variants = head["variants"]
     print("\n| variant | loss, first measured step | loss, last measured step |\n|---|---|---|")
     for name, entry in variants.items():
         print(f"| {name} | {entry['losses'][0]:.6f} | {entry['losses'][-1]:.6f} |")
+
     medians = {name: statistics.median(entry["times_ms"]) for name, entry in variants.items()}
     baseline = FSDP2 if FSDP2 in medians else DDP
-    print(f"\nStep time on rank 0, medians; load average {head['load']} at the end of the run")
-    print(f"\n| variant | median step (ms) | median vs {baseline} |\n|---|---|---|")
+    if head["fsdp_error"]:
+        print(f"\nFSDP2 could not run here: {head['fsdp_error']}")
+    for name, error in head["errors"].items():
+        print(f"\n{name} failed: {error}")
+    print(f"\nStep time on rank 0 (forward + backward + step + zero_grad), {head['measured_steps']} steps per "
+          f"variant, variants interleaved per round; load average {head['load']} at the end of the run")
+    print(f"\n| variant | median step (ms) | quartiles (ms) | median vs {baseline} |\n|---|---|---|---|")
     for name, median in medians.items():
-        print(f"| {name} | {median:.1f} | {median / medians[baseline]:.2f} |")
+        times = variants[name]["times_ms"]
+        low, _, high = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0], None, times[0])
+        print(f"| {name} | {median:.1f} | {low:.1f} - {high:.1f} | {median / medians[baseline]:.2f} |")
 
 
 def _explain_fsdp2(info: dict, world: int, per_kind: dict, theory: float) -> list[str]:
