@@ -108,6 +108,13 @@ SYSTEMS = {
     # Like DeepSpeed, which keeps gradients in RAM: nvme_grad_ram_bytes covering every gradient.
     "zinf_nvme_ram": ("zinf stage 3, offload nvme, gradients in RAM", "zinf",
                       {"device": "nvme", "placement": "nvme", "grads_in_ram": True}),
+    # The two above with overlap_optimizer forced the other way ("auto" steps during backward with
+    # gradients on disk, after it with gradients in RAM on a CPU device): what each choice costs, same run.
+    "zinf_nvme_late": ("zinf stage 3, offload nvme, optimizer after backward", "zinf",
+                       {"device": "nvme", "placement": "nvme", "overlap_optimizer": False}),
+    "zinf_nvme_ram_early": ("zinf stage 3, offload nvme, gradients in RAM, optimizer during backward", "zinf",
+                            {"device": "nvme", "placement": "nvme", "grads_in_ram": True,
+                             "overlap_optimizer": True}),
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)
@@ -172,6 +179,109 @@ def tree_rss_bytes(pid: int) -> int:
 # Worker: one rank of one configuration
 # ======================================================================================
 
+
+
+DISK_PROBE_BYTES = 512 << 20
+
+
+def probe_disk(folder: str) -> dict[str, float]:
+    """The disk's read and write rates through zinf's swap engine (as the steps use it), before any system runs.
+
+    One probe for the whole run, larger than the cost model's 32 MiB (whose per-process figures vary 2x
+    here), so every configuration's limit uses the same rates.
+    """
+    import torch
+    from zinf_compiler.runtime.aio import AioEngine
+    from zinf_compiler.runtime.pinned import PinnedPool
+
+    chunk = 32 << 20
+    keys = [f"probe.{index}" for index in range(DISK_PROBE_BYTES // chunk)]
+    with tempfile.TemporaryDirectory(prefix="disk-probe-", dir=folder) as probe_dir:
+        pool = PinnedPool(4 * chunk)
+        buffers = [pool.acquire(chunk) for _ in range(4)]
+        for buffer in buffers:
+            buffer.tensor(torch.uint8).fill_(7)
+        with AioEngine(probe_dir) as engine:
+            started = time.perf_counter()
+            requests = [engine.write(key, buffers[index % 4], chunk) for index, key in enumerate(keys)]
+            for request in requests:
+                request.wait()
+            write_rate = DISK_PROBE_BYTES / (time.perf_counter() - started)
+            started = time.perf_counter()
+            requests = [engine.read(key, buffers[index % 4], chunk) for index, key in enumerate(keys)]
+            for request in requests:
+                request.wait()
+            read_rate = DISK_PROBE_BYTES / (time.perf_counter() - started)
+        for buffer in buffers:
+            buffer.release()
+        pool.close()
+    return {"disk_read": read_rate, "disk_write": write_rate}
+
+
+def limit_seconds(compute_s: float, io: dict) -> dict[str, float]:
+    """The physical limit of one step: compute, the disk's bytes, or the collectives' bytes, whichever is longest.
+
+    ``io``: bytes per step (``disk_read``, ``disk_written``, ``collective``) and the cost model's rates
+    (bytes/s) under ``rates``; reads and writes share one disk, so their times add up.
+    """
+    rates = io["rates"]
+    disk_s = sum(io[name] / rates[rate] for name, rate in (("disk_read", "disk_read"), ("disk_written", "disk_write"))
+                 if io[name] and rates.get(rate))
+    collective_s = io["collective"] / rates["collective"] if io["collective"] and rates.get("collective") else 0.0
+    return {"compute": compute_s, "disk": disk_s, "collective": collective_s,
+            "bound": max(compute_s, disk_s, collective_s)}
+
+
+def _print_limit_model(configs, comparable) -> None:
+    """Each zinf configuration's median step next to max(compute, disk bytes / disk rate, collective bytes / link
+    rate): bytes per step as rank 0 counted them, rates from zinf's cost model (its probes in that process),
+    compute as the eager step at the same world size in this run (a step with nothing to move)."""
+    eager = {c.world: c.median() for c in configs if c.key == "eager" and c.name in comparable}
+    rows = [c for c in configs if c.io and c.name in comparable and c.world in eager]
+    if not rows:
+        return
+    print("\n## The physical limit per step\n")
+    print("bound = max(compute, disk, collective): compute is eager's step at the same world size; disk is rank 0's "
+          "swap bytes read and written per step at the disk rates probed at the start of this run (read + write: "
+          "one disk, shared by the ranks at world > 1, so their bytes add up); collective is its collective bytes "
+          "per step at the all-gather rate zinf's cost model measured.\n")
+    print("| configuration | disk read / written per step, all ranks (MiB) | collective per step (MiB) | compute (s) | disk (s) "
+          "| collective (s) | bound (s) | median step (s) | step / bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for config in rows:
+        steps = sum(round_io["steps"] for round_io in config.io)
+        per_step = {name: sum(round_io[name] for round_io in config.io) / steps
+                    for name in ("disk_read", "disk_written", "collective")}
+        for name in ("disk_read", "disk_written"):
+            per_step[name] *= config.world  # rank 0's bytes; the ranks are alike and share the disk
+        rates = dict(config.io[-1]["rates"], **getattr(config.args, "disk_rates", {}))
+        limit = limit_seconds(eager[config.world], dict(per_step, rates=rates))
+        median = config.median()
+        print(f"| {config.name} | {per_step['disk_read'] / 2**20:,.0f} / {per_step['disk_written'] / 2**20:,.0f} | "
+              f"{per_step['collective'] / 2**20:,.0f} | {limit['compute']:.3f} | {limit['disk']:.3f} | "
+              f"{limit['collective']:.3f} | {limit['bound']:.3f} | {median:.3f} | {median / limit['bound']:.2f} |")
+
+
+def _zinf_io_counters() -> dict[str, int]:
+    """Bytes this rank's zinf moved so far: swap reads and writes, collectives (for the limit model)."""
+    from zinf_compiler.runtime.comm import COMM
+    from zinf_compiler.runtime.store import STORE
+
+    engines = STORE.engines()
+    return {"disk_read": sum(engine.bytes_read for engine in engines),
+            "disk_written": sum(engine.bytes_written for engine in engines),
+            "collective": sum(COMM.traffic_bytes.values())}
+
+
+def _zinf_rates() -> dict[str, float | None]:
+    """The rates zinf's cost model measured in this process (disk read and write, collective)."""
+    from zinf_compiler.cost_model import measured_profiles
+
+    rates = {"disk_read": None, "disk_write": None, "collective": None}
+    for profile in measured_profiles():
+        for name in rates:
+            rates[name] = rates[name] or getattr(profile, name)
+    return rates
 
 
 def _training_step(model, opt):
@@ -271,7 +381,7 @@ class Worker:
             return self.setup_deepspeed(settings["device"], big)
         if kind == "zinf":
             return self.setup_zinf(settings["device"], big, settings.get("grads_in_ram", False),
-                                   settings.get("stage", 3))
+                                   settings.get("stage", 3), settings.get("overlap_optimizer", "auto"))
         raise ValueError(kind)
 
     def setup_deepspeed(self, device: str, big: bool):
@@ -340,7 +450,8 @@ class Worker:
 
         return step
 
-    def setup_zinf(self, device: str, big: bool, grads_in_ram: bool = False, stage: int = 3):
+    def setup_zinf(self, device: str, big: bool, grads_in_ram: bool = False, stage: int = 3,
+                   overlap_optimizer: bool | str = "auto"):
         import torch
         import zinf_compiler as zinf
         from zinf_compiler.gpt import GPT
@@ -351,6 +462,7 @@ class Worker:
             options["nvme_copies"] = self.spec["nvme_copies"]
             if grads_in_ram:
                 options["nvme_grad_ram_bytes"] = 1 << 40
+            options["overlap_optimizer"] = overlap_optimizer
         if self.spec.get("trace_dir"):
             options.update(dump_dir=self.spec["trace_dir"], trace_step=self.spec["trace_step"])
         if big:
@@ -411,8 +523,14 @@ class Worker:
                 if not command:
                     continue
                 if command[0] == "steps":
+                    before = _zinf_io_counters() if self.spec["kind"] == "zinf" else None
                     done = [one_step() for _ in range(int(command[1]))]
-                    self.send(event="done", times=[t for t, _ in done], losses=[v for _, v in done])
+                    io = None
+                    if before is not None:
+                        after = _zinf_io_counters()
+                        io = {name: after[name] - before[name] for name in before}
+                        io["rates"] = _zinf_rates()
+                    self.send(event="done", times=[t for t, _ in done], losses=[v for _, v in done], io=io)
                 elif command[0] == "finish":
                     break
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -454,6 +572,7 @@ class Config:
         self.error: str | None = None
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.io: list[dict] = []  # zinf: bytes moved over each round's measured steps (rank 0), and the rates
         self.warm_times: list[float] = []
         self.setup_seconds: float | None = None
         self.peak_rss: int | None = None
@@ -672,6 +791,8 @@ def run_group(args, world: int, keys: list[str], workdir: str) -> list[Config]:
                 continue
             config.times.extend(done[0]["times"])
             config.losses.extend(done[0]["losses"])
+            if done[0].get("io"):
+                config.io.append(dict(done[0]["io"], steps=len(done[0]["times"])))
             log(f"world {world} round {round_index + 1}/{args.rounds}: {config.label}: steps "
                 f"{', '.join(f'{t:.2f}' for t in done[0]['times'])} s")
     for config in configs:
@@ -786,6 +907,8 @@ def report(args, configs: list[Config], params: int, wall: float) -> None:
           "with the same offload placement at the same world size (> 1: zinf is faster). eager, Inductor and "
           "FSDP2 without offload compare with zinf without offload; FSDP2 + CPUOffloadPolicy and DeepSpeed cpu "
           "with zinf cpu; DeepSpeed nvme with zinf nvme.")
+
+    _print_limit_model(configs, comparable)
 
     print("\n## Targets\n")
     for world in sorted({c.world for c in configs}):
@@ -1100,6 +1223,11 @@ def main() -> int:
         print(f"GPT: {args.n_layer} layers, width {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, "
               f"seq {args.seq}, global batch {args.batch}: {params:,} parameters, model states "
               f"{gib(16 * params)} GiB (fp32 weight, gradient, two Adam moments); AdamW {ADAMW}", flush=True)
+        if any(SYSTEMS[key][2].get("placement") == "nvme" for key in args.systems):
+            args.disk_rates = probe_disk(args.nvme_path)
+            print(f"disk under {args.nvme_path} (zinf's swap engine, O_DIRECT, {gib(DISK_PROBE_BYTES)} GiB each way): "
+                  f"read {args.disk_rates['disk_read'] / 1e9:.2f} GB/s, write "
+                  f"{args.disk_rates['disk_write'] / 1e9:.2f} GB/s", flush=True)
         configs = []
         for world in args.world_sizes:
             configs.extend(run_world(args, world, workdir))

@@ -191,6 +191,10 @@ class _Key:
         self.lost: str | None = None  # copies=1: why the only copy is gone (a failed or aborted write)
         self.writing = False  # a write of this key is in flight
         self.reads = [0, 0]  # reads in flight per slot
+        # A complete copy written with hold=True, not yet the good one (see AioEngine.commit_held);
+        # ``hold_token`` names the held write in flight, so a later write supersedes it.
+        self.held: _Copy | None = None
+        self.hold_token: object | None = None
 
 
 class _Transaction:
@@ -214,6 +218,12 @@ class _State:
         self.work = threading.Condition(self.lock)  # workers wait here for pieces
         self.changed = threading.Condition(self.lock)  # submitters wait here for key state changes
         self.queue: deque = deque()  # (request, piece index)
+        # Pieces of background requests: taken only when ``queue`` is empty, by at most
+        # ``background_threads`` workers at once (all but one), so a foreground request never waits
+        # for more than a piece (the optimizer's steps during backward vs the graph's reads).
+        self.background: deque = deque()
+        self.background_threads = 1
+        self.background_running = 0
         self.stopping = False
         self.closed = False
         self.threads: list[threading.Thread] = []
@@ -288,6 +298,7 @@ class AioRequest:
         self.error: AioError | None = None
         # A write inside engine.transaction(): its failure also fails the transaction when it ends.
         self.in_transaction = False
+        self.background = False  # yields to every other request (see _State.background)
         self._event = threading.Event()
         self._submitted = trace_now()
 
@@ -318,10 +329,13 @@ class AioRequest:
             self._finish()
             return
         for _ in range(min(state.queue_depth, len(self._pieces))):
-            state.queue.append((self, self._next_piece))
+            self._queue().append((self, self._next_piece))
             self._next_piece += 1
             self._outstanding += 1
         state.work.notify(self._outstanding)
+
+    def _queue(self) -> deque:
+        return self._state.background if self.background else self._state.queue
 
     def _piece_finished(self, error: AioError | None) -> bool:
         """Book a finished piece, queue the next one; True when the request is complete."""
@@ -330,7 +344,7 @@ class AioRequest:
         if error is not None and self.error is None:
             self.error = error
         if self.error is None and self._next_piece < len(self._pieces):
-            state.queue.append((self, self._next_piece))
+            self._queue().append((self, self._next_piece))
             self._next_piece += 1
             self._outstanding += 1
             state.work.notify()
@@ -461,11 +475,13 @@ def _io_error(kind: str, key: _Key, state: _State, nbytes: int, file_offset: int
 def _worker(state: _State) -> None:
     while True:
         with state.lock:
-            while not state.queue:
-                if state.stopping:
+            while not (state.queue or state.background and state.background_running < state.background_threads):
+                if state.stopping and not state.background:
                     return
                 state.work.wait()
-            request, index = state.queue.popleft()
+            request, index = state.queue.popleft() if state.queue else state.background.popleft()
+            if request.background:
+                state.background_running += 1
             if state.pieces_running == 0:
                 state.busy_since = time.perf_counter()
             state.pieces_running += 1
@@ -475,6 +491,9 @@ def _worker(state: _State) -> None:
             error = AioError(f"NVMe swap {request.kind} of {request.key!r} failed: {type(err).__name__}: {err}")
         with state.lock:
             state.pieces_running -= 1
+            if request.background:
+                state.background_running -= 1
+                state.work.notify()  # a worker may be waiting for a background slot
             if state.pieces_running == 0:
                 state.busy_seconds += time.perf_counter() - state.busy_since
             request._piece_finished(error)
@@ -782,6 +801,7 @@ class AioEngine:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
         self._state = _State(self.folder, self.direct, self.block_size, queue_depth, copies)
+        self._state.background_threads = max(1, threads - 1)  # one worker always free for the foreground
         _LIVE_FOLDERS[id(self._state)] = self.folder
         _watch_sigterm()
         # Registered before the threads start, so an error below still removes the folder.
@@ -853,14 +873,25 @@ class AioEngine:
 
     # --- transfers ---------------------------------------------------------------------
 
-    def write(self, key: str, buffer, nbytes: int) -> AioRequest:
+    def write(self, key: str, buffer, nbytes: int, hold: bool = False, background: bool = False) -> AioRequest:
         """Start writing the first ``nbytes`` of ``buffer`` (a PinnedBuffer or memoryview) as ``key``.
 
         The buffer must hold ``nbytes`` rounded up to 4096 (those bytes are
         written and checksummed) and stay untouched until ``wait()``.  Waits
         first while an earlier write of the same key is in flight.
+
+        ``hold=True`` (copies=2 only): the written copy is *held*, not made
+        good: reads keep seeing the last good copy until :meth:`commit_held`
+        makes it the good one, and :meth:`drop_held` (or any later write of
+        the key) discards it.  Outside any transaction.  This is how a step
+        computed ahead of time (the optimizer during backward) waits for the
+        verdict on whether it counts.  ``background=True``: the transfer
+        yields to every other (see :meth:`read`).
         """
         self._check_open()
+        if hold and self.copies != 2:
+            raise ValueError(f"aio write of {key!r} with hold=True needs copies=2 (the held copy goes to the slot "
+                             f"that does not hold the good one); this engine has copies={self.copies}")
         view = _byte_view(buffer, writable=False)
         self._check_buffer("write", key, view, nbytes)
         padded = _round_up(nbytes, ALIGNMENT)
@@ -891,7 +922,10 @@ class AioEngine:
                 entry.file_end += padded
             state.acquire_fd(entry)
             entry.writing = True
-            transaction = state.transaction
+            # Either write goes to the held copy's slot: a held copy from before is gone.
+            entry.held = None
+            entry.hold_token = token = object() if hold else None
+            transaction = None if hold else state.transaction
             if transaction is not None:
                 transaction.pending.pop(key, None)  # that copy's slot is being overwritten
                 transaction.written.add(key)
@@ -907,7 +941,10 @@ class AioEngine:
                         transaction.failure = request.error
                     return
                 copy = _Copy(target, nbytes, request._digests)
-                if transaction is None:
+                if hold:
+                    if entry.hold_token is token:  # not superseded or dropped meanwhile
+                        entry.held = copy
+                elif transaction is None:
                     entry.committed = copy
                     entry.lost = None
                 elif transaction.state == "open":
@@ -916,15 +953,19 @@ class AioEngine:
 
             request = AioRequest(state, "write", entry, view, nbytes, region[0], None, on_finish)
             request.in_transaction = transaction is not None
+            request.background = background
             request._submit()
         return request
 
-    def read(self, key: str, into, nbytes: int | None = None) -> AioRequest:
+    def read(self, key: str, into, nbytes: int | None = None, background: bool = False) -> AioRequest:
         """Start reading ``key`` into ``into`` (a PinnedBuffer or writable memoryview).
 
         ``nbytes`` (default: the size written) must equal the size of the
         key's last good write; ``into`` must hold it rounded up to 4096.
-        The checksums recorded at write time are verified.
+        The checksums recorded at write time are verified.  ``background``:
+        its pieces run only while no other transfer waits, on one worker at a
+        time, so work that can wait (the optimizer stepping during backward)
+        does not delay the graph's fetches by more than a piece.
         """
         self._check_open()
         view = _byte_view(into, writable=True)
@@ -956,6 +997,7 @@ class AioEngine:
 
             request = AioRequest(state, "read", entry, view, nbytes, entry.regions[copy.slot][0], copy.digests,
                                  on_finish)
+            request.background = background
             request._submit()
         return request
 
@@ -999,6 +1041,40 @@ class AioEngine:
                         state.keys[key].lost = None
                     transaction.state = "committed"
 
+    def holds(self, keys) -> bool:
+        """Whether every key has a complete held copy (its ``hold=True`` write finished without an error)."""
+        with self._state.lock:
+            return all(key in self._state.keys and self._state.keys[key].held is not None for key in keys)
+
+    def commit_held(self, keys) -> None:
+        """Make each key's held copy its good one; inside a transaction, when that commits.
+
+        Raises :class:`AioError`, changing nothing, when a key has no held copy
+        (its held write failed, is still in flight, or was dropped or superseded).
+        """
+        state = self._state
+        with state.lock:
+            missing = [key for key in keys if key not in state.keys or state.keys[key].held is None]
+            if missing:
+                raise AioError(f"NVMe swap: no held copy of {missing[0]!r} to commit"
+                               + (f" (and {len(missing) - 1} more keys)" if len(missing) > 1 else ""))
+            for key in keys:
+                entry = state.keys[key]
+                if state.transaction is not None:
+                    state.transaction.pending[key] = entry.held
+                else:
+                    entry.committed = entry.held
+                    entry.lost = None
+                entry.held, entry.hold_token = None, None
+
+    def drop_held(self, keys) -> None:
+        """Discard the keys' held copies, and the copies of held writes still in flight (they land unheld)."""
+        with self._state.lock:
+            for key in keys:
+                entry = self._state.keys.get(key)
+                if entry is not None:
+                    entry.held, entry.hold_token = None, None
+
     def _abort_outcome(self, transaction: _Transaction) -> str:
         """What an aborted transaction left, true for nvme_copies 1 and 2 (lock held)."""
         if self.copies == 2:
@@ -1025,6 +1101,7 @@ class AioEngine:
                 state.changed.wait()
                 entry = self._key(key)
             entry.committed = None
+            entry.held, entry.hold_token = None, None
             entry.lost = reason
             if state.transaction is not None:
                 state.transaction.pending.pop(key, None)

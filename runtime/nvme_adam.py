@@ -41,6 +41,14 @@ def write_initial_master(store, record, local_fp32: torch.Tensor) -> None:
         store._write_swap(record.swap, state_key("master", record.uid, index), local_fp32[start:stop])
 
 
+def adam_kernel(decoupled: bool, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, step_count: int, *, lr, beta1, beta2, eps, weight_decay) -> None:
+    """One Adam (AdamW if ``decoupled``) update of a sub-group, in place: torch's fused CPU kernel."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel([master], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step_count))], lr=float(lr),
+           beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
 @dataclasses.dataclass
 class _Group:
     record: object
@@ -63,6 +71,7 @@ class NvmeAdam:
         self.decoupled = decoupled_weight_decay
         self.steps: dict[int, int] = {}  # uid -> optimizer steps taken
         self._shards_updated: list = []  # (record, group): in-memory shard slices the last step updated
+        self.early = None  # EarlyAdam: the steps taken during backward (runtime/early_adam.py)
         self.store_wait_seconds = 120.0
 
     def _start_reads(self, group: _Group, first_step: bool) -> None:
@@ -122,11 +131,9 @@ class NvmeAdam:
                 if record.grad_multiplier != 1.0:
                     grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
                 step_count = self.steps.get(record.uid, 0) + 1
-                kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
                 beta1, beta2 = hyper["betas"]
-                kernel([master], [grad], [exp_avg], [exp_avg_sq], [],
-                       [torch.tensor(float(step_count))], lr=float(hyper["lr"]), beta1=beta1, beta2=beta2,
-                       weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False)
+                adam_kernel(self.decoupled, master, grad, exp_avg, exp_avg_sq, step_count, lr=float(hyper["lr"]),
+                            beta1=beta1, beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"])
                 group.requests = []  # the reads are done; from here the group's writes
                 overwriting = True
                 for name in STATE_NAMES:
@@ -189,7 +196,7 @@ class NvmeAdam:
         if group.stop == record.local_numel:
             buffer = param_staging.pop(record.uid)
             try:
-                _wait_all(self.store._write_param(record, buffer), raise_errors=True)
+                _wait_all(self.store.write_param(record, buffer), raise_errors=True)
             finally:
                 buffer.release()
 

@@ -87,6 +87,11 @@ class ParamRecord(ParamLayout):
     synced_version: int = 0
     # The ranks it is sharded over (and, for HSDP, replicated across); set at adoption.
     mesh: "MeshComm | None" = None
+    # Its optimizer step may run during backward, as its gradient lands (option overlap_optimizer;
+    # runtime/early_adam.py): stage 3 with shard and optimizer state on NVMe, nvme_copies=2.
+    step_in_backward: bool = False
+    # A weak reference to what takes those early steps (EarlyAdam), once an optimizer is bound.
+    grad_listener: "weakref.ref | None" = None
 
     @property
     def ledger(self) -> "Ledger":
@@ -157,6 +162,8 @@ class ParamStore:
         self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
         # (step, unit key) -> transfers in flight, oldest first; step: nc, cg, staged, gather, reduce.
         self._transfers: dict[tuple, list] = {}
+        # Work that moves on at the transfer points of a graph (the optimizer's early steps).
+        self._background: "weakref.WeakSet" = weakref.WeakSet()
 
     # --- offload resources -------------------------------------------------------
 
@@ -208,12 +215,32 @@ class ParamStore:
             self._add_resting("cpu", self.pinned.capacity_bytes)
         return self.pinned
 
-    def _write_param(self, record: ParamRecord, staging) -> list:
-        """Start writing a whole shard staged in ``staging`` to its swap keys."""
+    def write_param(self, record: ParamRecord, staging, hold: bool = False) -> list:
+        """Start writing a whole shard staged in ``staging`` to its swap keys.
+
+        ``hold``: as held copies, in the background (an early step's; see AioEngine.write).
+        """
         view = staging.memoryview()
         itemsize = record.compute_dtype.itemsize
-        return [record.swap.write(key, _padded_view(view, start * itemsize, numel * itemsize), numel * itemsize)
+        return [record.swap.write(key, _padded_view(view, start * itemsize, numel * itemsize), numel * itemsize,
+                                  hold=hold, background=hold)
                 for key, start, numel in record.swap_layout()]
+
+    def count_pinned_pool(self, nbytes: int) -> None:
+        """Count (or, negative, stop counting) a pinned pool of the process's other than ``pinned``."""
+        self._add_resting("cpu", nbytes)
+
+    def count_transient(self, tier: str, delta: int, what: str, ledger: "Ledger") -> None:
+        """Count (or, negative, stop counting) bytes held for a while on ``tier`` for ``ledger``'s model."""
+        self._add_transient(tier, delta, what=what if delta > 0 else None, ledger=ledger)
+
+    def add_background_work(self, work) -> None:
+        """``work.advance()`` (which must never wait) runs at each transfer point of every graph; held weakly."""
+        self._background.add(work)
+
+    def _advance_background(self) -> None:
+        for work in list(self._background):
+            work.advance()
 
     def prefetch_pinned_bytes(self) -> int | None:
         """Pinned bytes the graph's nc reads may hold at once (None: no pool, nothing read from NVMe).
@@ -269,7 +296,7 @@ class ParamStore:
               tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
               read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int = 0,
-              mesh: MeshComm | None = None) -> ParamRecord:
+              mesh: MeshComm | None = None, step_in_backward: bool | str = False) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
         ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
@@ -288,6 +315,8 @@ class ParamStore:
         gradient bytes kept in CPU memory instead of swap files; parameters
         take it in adoption order while it lasts.  ``mesh``: the ranks to shard
         over (default: every rank of the default group; see runtime/comm.py).
+        ``step_in_backward``: the option overlap_optimizer, True, False or
+        "auto" (it applies where :attr:`ParamRecord.step_in_backward` says).
 
         The store holds the parameter only weakly: when it is garbage-collected
         (its model and optimizer dropped), its shards, gradients, swap files and
@@ -360,6 +389,14 @@ class ParamStore:
                 self._grad_ram_reserved += grad_bytes
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
+            if step_in_backward == "auto":
+                # On a CPU device the early step's CPU work (the Adam kernel, the swap checksums) shares
+                # the cores with the graph's compute; it pays there only by sparing the gradient's
+                # read-back from disk (benchmarks/RESULTS.md, issue 26).
+                step_in_backward = param.device.type != "cpu" or not record.grad_in_ram
+            record.step_in_backward = (step_in_backward and stage == 3 and param_tier == "nvme"
+                                       and opt_tier == "nvme" and not exact and param.requires_grad
+                                       and record.swap.copies == 2)
             self._records[uid] = record
             self._pending_ledgers.pop(id(param), None)
             # The callback runs when the parameter is collected; it must not hold the parameter.
@@ -633,6 +670,7 @@ class ParamStore:
         self._in_flight("nc", unit).append((requests, staging))
 
     def nc_wait(self, unit: Unit) -> None:
+        self._advance_background()
         queue = self._transfers.get(("nc", unit.key))
         if not queue:
             raise ZinfStoreError(f"nc_wait for {unit.name} without an nc_start")
@@ -796,6 +834,7 @@ class ParamStore:
         """
         work, out = self._pop("reduce", unit, "reduce_grad_wait")
         work.wait()
+        self._advance_background()
         if out is None:
             return  # added at the start (world size 1)
         ledger = self._ledger_of(unit)
@@ -853,6 +892,9 @@ class ParamStore:
             self._add_resting(_tier_memory(record.opt_tier), _nbytes(record.grad_shard), ledger=record.ledger)
         else:
             record.grad_shard[start:stop].add_(reduced.to(grad_device))
+        listener = _grad_listener(record)
+        if listener is not None and listener.arrival(record, piece.tile):
+            listener.start(record, record.grad_shard, owned=False)
 
     def abandon_transfers(self) -> None:
         """Forget every transfer in flight (a graph raised half way): give back pinned buffers and counted bytes.
@@ -928,8 +970,13 @@ class ParamStore:
         if accumulating:
             # A read must see the previous backward's writes.
             self._drain_grad_writes(0)
+        listener = _grad_listener(record)
+        step_now = listener is not None and listener.arrival(record, None)
         if record.uid in self._lost_grads:
             return  # already incomplete: nothing to add to, the step refuses it until zero_grad
+        # The whole gradient for an early step (runtime/early_adam.py), a copy of its own: ``reduced`` may be
+        # memory the compiled graph reuses once this op returns, and an accumulated one is only in the staging.
+        total = torch.empty(record.local_numel, dtype=torch.float32) if step_now else None
         sq_norm = 0.0
         for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
             numel, key = stop - start, state_key("grad", record.uid, index)
@@ -942,6 +989,8 @@ class ParamStore:
                     group.add_(reduced[start:stop])
                 else:
                     group.copy_(reduced[start:stop])
+                if total is not None:
+                    total[start:stop].copy_(group)
                 sq_norm += float(torch.linalg.vector_norm(group, dtype=torch.float64)) ** 2
                 request = record.swap.write(key, staging, numel * 4)
             except AioError as err:
@@ -955,6 +1004,8 @@ class ParamStore:
             self._grad_writes.append((request, staging, record))
         record.grad_sq_norm = sq_norm
         record.grad_multiplier = 1.0
+        if total is not None:
+            listener.start(record, total, owned=True)
 
     def _drain_grad_writes(self, keep: int) -> None:
         """Wait for the oldest gradient writes until ``keep`` are in flight; give their buffers back.
@@ -998,6 +1049,9 @@ class ParamStore:
     def drop_grads(self, records: Iterable[ParamRecord]) -> None:
         """Discard the gradients of ``records`` (``opt.zero_grad()``), incomplete ones included."""
         for record in records:
+            listener = _grad_listener(record)
+            if listener is not None:
+                listener.gradients_dropped(record)
             if record.grad_shard is not None:
                 self._add_resting(_tier_memory(record.opt_tier), -_nbytes(record.grad_shard), ledger=record.ledger)
                 record.grad_shard = None
@@ -1029,7 +1083,7 @@ class ParamStore:
                 staging = self._pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS)
                 try:
                     staging.tensor(record.compute_dtype, record.local_numel).copy_(master)
-                    requests = self._write_param(record, staging)
+                    requests = self.write_param(record, staging)
                 except BaseException:
                     staging.release()
                     raise
@@ -1200,6 +1254,11 @@ class ParamStore:
             if record.master is not None and record.master is not record.shard:
                 masters.append(record.master)
         return {"params": params, "grads": grads, "masters": masters}
+
+
+def _grad_listener(record: ParamRecord):
+    """What steps ``record`` during backward (an EarlyAdam), if anything does now."""
+    return record.grad_listener() if record.grad_listener is not None else None
 
 
 def _tier_memory(tier: str) -> str:

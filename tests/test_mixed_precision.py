@@ -16,11 +16,12 @@ CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LOSS_TOLERANCE = 5e-3
 
 
-def _train(param_dtype, steps=50):
+def _train(param_dtype, steps=50, **extra):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(CFG)
-    compiled = torch.compile(model, backend="zinf", options={"lower": "eager", "stage": 3, "param_dtype": param_dtype})
+    compiled = torch.compile(model, backend="zinf",
+                             options={"lower": "eager", "stage": 3, "param_dtype": param_dtype, **extra})
     opt = zinf.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for idx, targets in synthetic_batches(CFG, 8, steps):
@@ -47,8 +48,11 @@ def test_low_precision_trains_like_fp32():
         assert zinf.memory_report(compiled)["device"]["optimizer"] >= 3 * 4 * numel
 
 
-def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
-    model, compiled, opt, _ = _train("fp16", steps=1)
+@pytest.mark.parametrize("tier", ["device", "nvme"])
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tier, tmp_path):
+    # nvme: the optimizer steps during backward (overlap_optimizer); an overflow must void those steps.
+    offload = {"offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)} if tier == "nvme" else {}
+    model, compiled, opt, _ = _train("fp16", steps=1, **offload)
     before = zinf.full_state_dict(compiled)
     scaler = STORE.lookup(next(model.parameters())).ledger.fp16_scaler
     scaler.scale = 1e30  # any gradient times this is inf in fp16
@@ -59,11 +63,16 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     assert scaler.scale == 5e29 and scaler.skipped_steps >= 1
     after = zinf.full_state_dict(compiled)
     assert all(torch.equal(before[name], after[name]) for name in before)
+    early = opt._nvme.early if tier == "nvme" else None
+    if early is not None:
+        assert early.stats["started"] > 0 and early.stats["committed"] == 0
     scaler.scale = 2.0**16
     compiled(idx, targets).backward()
     opt.step()
     after_good_step = zinf.full_state_dict(compiled)
     assert not torch.equal(before["wte.weight"], after_good_step["wte.weight"])
+    if early is not None:
+        assert early.stats["committed"] > 0
 
 
 def test_each_model_has_its_own_fp16_loss_scale(tmp_path):

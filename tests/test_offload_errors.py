@@ -49,7 +49,8 @@ def test_bad_nvme_path_fails_before_training_with_nothing_adopted(tmp_path, monk
 
 
 def test_enospc_during_the_optimizer_step_keeps_the_last_good_state(tmp_path, monkeypatch):
-    model, compiled = _compiled(tmp_path)
+    # The step after backward (overlap_optimizer=True writes during backward: the next test).
+    model, compiled = _compiled(tmp_path, overlap_optimizer=False)
     opt = zinf.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, compiled, opt, BATCHES[0])
     good = zinf.full_state_dict(compiled)
@@ -73,6 +74,38 @@ def test_enospc_during_the_optimizer_step_keeps_the_last_good_state(tmp_path, mo
     opt.step()
     opt.zero_grad()
     assert not torch.equal(good["wte.weight"], zinf.full_state_dict(compiled)["wte.weight"])
+
+
+def test_enospc_while_stepping_during_backward_falls_back_and_keeps_the_last_good_state(tmp_path, monkeypatch):
+    """overlap_optimizer: the optimizer state's writes during backward fail (the gradients' do not): the early
+    steps are dropped, the step after backward runs and meets the same full disk, and nothing is taken as good."""
+    model, compiled = _compiled(tmp_path)
+    opt = zinf.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, compiled, opt, BATCHES[0])
+    good = zinf.full_state_dict(compiled)
+    real_pwritev = os.pwritev
+
+    def state_disk_full(fd, buffers, offset):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith(("master.", "exp_avg")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(aio_module.os, "pwritev", state_disk_full)
+    compiled(*BATCHES[1]).backward()
+    early = opt._nvme.early
+    assert early.stats["started"] > 0 and early.stats["committed"] == 0
+    with pytest.raises(AioError, match="is full"):
+        opt.step()
+    assert early.stats["committed"] == 0 and early.stats["dropped"] >= early.stats["started"]
+    monkeypatch.undo()
+    after_failure = zinf.full_state_dict(compiled)
+    assert all(torch.equal(good[name], after_failure[name]) for name in good), "partial step taken as good"
+    opt.step()  # space is back: the step after backward, from the kept gradients
+    opt.zero_grad()
+    assert not torch.equal(good["wte.weight"], zinf.full_state_dict(compiled)["wte.weight"])
+    _step(model, compiled, opt, BATCHES[2])  # and the next backward steps early again
+    assert early.stats["committed"] > 0
 
 
 def test_corrupted_parameter_swap_file_is_an_error(tmp_path):

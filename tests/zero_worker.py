@@ -3,7 +3,9 @@
 For each configuration: train the GPT under zinf on this rank's slice of the
 batch; rank 0 also trains eager PyTorch on the whole batch and compares.
 Clipping (through zinf's optimizer and through torch.nn.utils, on alternate
-steps) and an LR schedule are on in every configuration.
+steps) and an LR schedule are on in every configuration, unless it says
+``"max_norm": None``; ``"accumulate": k`` splits each rank's batch into k
+micro-batches, their gradients accumulated before the step.
 """
 
 import copy
@@ -33,6 +35,8 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     reference = GPT(cfg)
     model = copy.deepcopy(reference)
     options = {"lower": "eager", **config}
+    max_norm = options.pop("max_norm", MAX_NORM)  # the test's, not zinf options
+    accumulate = options.pop("accumulate", 1)
     if "mesh" in config:  # [replicas, shards] (HSDP) or [shards]: a DeviceMesh over every rank
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,15 +54,20 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     for step, (idx, targets) in enumerate(synthetic_batches(cfg, batch * world, steps)):
         if step == 1:
             calls_after_first = dict(COMM.calls)  # the first step also broadcasts at adoption
-        mine = slice(rank * batch, (rank + 1) * batch)
-        loss = compiled(idx[mine], targets[mine])
-        loss.backward()
+        micro = batch // accumulate
+        loss = 0.0
+        for first in range(rank * batch, (rank + 1) * batch, micro):
+            micro_loss = compiled(idx[first : first + micro], targets[first : first + micro]) / accumulate
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         # Both ways users clip: zinf's optimizer, and torch's function on the model's
         # parameters (which zinf hands to that optimizer; param.grad alone misses the shards).
-        if step % 2:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        if max_norm is None:
+            pass
+        elif step % 2:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         else:
-            norms.append(opt.clip_grad_norm_(MAX_NORM).item())
+            norms.append(opt.clip_grad_norm_(max_norm).item())
         opt.step()
         # Accounting while gradients and optimizer state are both alive,
         # next to the storage the store and the optimizer actually hold.
@@ -76,7 +85,8 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
         if rank == 0:
             ref_loss = reference(idx, targets)
             ref_loss.backward()
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item())
+            if max_norm is not None:
+                ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm).item())
             ref_opt.step()
             ref_opt.zero_grad()
             ref_sched.step()
@@ -90,7 +100,8 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     result = {"config": config, "zinf_losses": zinf_losses, "norms": norms, "report": report, "held": held,
               "param_numels": param_numels, "trainable": sorted(trainable),
               "grads_are_none": grads_are_none, "traffic": dict(COMM.traffic_bytes),
-              "calls_per_step": calls_per_step}
+              "calls_per_step": calls_per_step,
+              "early_steps": dict(opt._nvme.early.stats) if opt._nvme is not None and opt._nvme.early else None}
     if rank == 0:
         errors = {}
         for name, expected in reference.state_dict().items():

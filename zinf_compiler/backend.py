@@ -119,7 +119,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 # Options each rank may set for itself: they change no collective.
 _RANK_LOCAL_OPTIONS = frozenset({"dump_dir", "trace_step", "nvme_path", "aio_block_size", "aio_queue_depth",
                                  "aio_threads", "pinned_bytes", "collective_timeout", "lower", "nvme_grad_ram_bytes",
-                                 "rank_agreement"})
+                                 "rank_agreement", "overlap_optimizer"})
 
 
 def _agree_before_compiling(captured: CapturedGraph) -> None:
@@ -193,6 +193,7 @@ def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_row
         param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
         opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
         bucket_bytes=options.bucket_bytes, grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=captured.mesh,
+        step_in_backward=options.overlap_optimizer,
     )
 
 

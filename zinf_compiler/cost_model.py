@@ -82,6 +82,12 @@ class MachineProfile:
         ]
 
 
+def measured_profiles() -> list["MachineProfile"]:
+    """Every profile this process has measured so far (for reports: benchmarks/peers.py's limit model)."""
+    with _cache_lock:
+        return list(_cache.values())
+
+
 def nominal_profile(device: str = "cpu", dtype: str = "fp32") -> MachineProfile:
     """Fixed rates (roughly this project's 2-core CPU VM): deterministic, for tests and ``ZINF_COST_PROFILE=nominal``."""
     return MachineProfile(device=device, dtype=dtype, matmul_flops=0.3e12, memory_bandwidth=12e9,

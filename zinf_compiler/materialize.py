@@ -147,7 +147,8 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
                                  param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
                                  opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed),
                                  read_local=read_local, bucket_bytes=parsed.bucket_bytes,
-                                 grad_ram_bytes=parsed.nvme_grad_ram_bytes, mesh=model_mesh(parsed))
+                                 grad_ram_bytes=parsed.nvme_grad_ram_bytes, mesh=model_mesh(parsed),
+                                 step_in_backward=parsed.overlap_optimizer)
             STORE.release_full_storage([record])
             done += real.numel()
         if ready:

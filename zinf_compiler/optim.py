@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from zinf_compiler.runtime.aio import AioError
+from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import STORE, ParamRecord
@@ -74,6 +75,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._checkpoint = None
         self._checkpoint_applied = False
         self._state_bytes = {"device": 0, "cpu": 0}
+        # clip_grad_norm_ scaled this step's gradients: no step taken during backward counts.
+        self._clipped = False
         # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
         self._ledger = STORE.group(p for group in self.param_groups for p in group["params"])
         _LIVE_OPTIMIZERS.add(self)
@@ -148,6 +151,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._inner = self._make_inner(inner_groups)
         if self._nvme_slots:
             self._nvme = NvmeAdam(STORE, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
+            early = [(slot.record, self.param_groups[group_index]) for slot, group_index in self._nvme_slots
+                     if slot.record.step_in_backward]
+            if early:
+                self._nvme.early = EarlyAdam(self._nvme, early)
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self._load_inner(pending)
@@ -269,8 +276,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
             steps_before = dict(self._nvme.steps)
             try:
                 with _swap_transaction(slot.record for slot, _ in self._nvme_slots):
-                    self._nvme.step([slot for slot, _ in self._nvme_slots],
-                                    [self.param_groups[group_index] for _, group_index in self._nvme_slots])
+                    # The steps taken during backward that count commit with this transaction.
+                    early = self._nvme.early.commit(self._clipped) if self._nvme.early is not None else set()
+                    late = [(slot, group_index) for slot, group_index in self._nvme_slots
+                            if slot.record.uid not in early]
+                    self._nvme.step([slot for slot, _ in late],
+                                    [self.param_groups[group_index] for _, group_index in late])
             except Exception as err:
                 self._nvme.steps = steps_before
                 try:
@@ -297,6 +308,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     slot.record.swap.invalidate(key, reason)
             self._params_unwritten = unwritten
             raise params_not_written(err) from err
+        self._clipped = False
         STORE.refresh_full_params(self._records())
         self._account_state()
         if any(r.param_tier != "device" or r.opt_tier != "device" for r in self._records()):
@@ -337,6 +349,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # full gradients in param.grad (unsharded params, stage 1)
+        self._clipped = False
         for slot in self._memory_slots():
             if slot.master is not slot.param:
                 slot.master.grad = None
@@ -383,6 +396,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         total_norm = (sharded_sq + replicated_sq).sqrt().to(torch.float32)
         clip_coef = float(max_norm) / (total_norm.item() + 1e-6)
         if clip_coef < 1.0:
+            self._clipped = True
             for grad in grads:
                 grad.mul_(clip_coef)
             for record in grads_on_disk:

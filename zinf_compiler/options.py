@@ -226,6 +226,13 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "with offload_optimizer='nvme': reduced gradients kept in CPU memory, up to this many bytes per "
                "process (4 per parameter), instead of swap files; saves a 4-byte write and read per parameter "
                "each step"),
+    OptionSpec("overlap_optimizer", "auto", _or_keyword("auto", _boolean, "true or false"),
+               "with the parameters and optimizer state on NVMe at stage 3 (and nvme_copies=2): step each "
+               "parameter's optimizer state during backward, as its gradient lands, and commit it at opt.step() "
+               "unless clipping that clips, an fp16 overflow or a later gradient voids it (then it steps after "
+               "backward, as with False); the result is the same either way. auto: on, except for gradients kept "
+               "in RAM (nvme_grad_ram_bytes) on a CPU device, where the early step's CPU work would slow the "
+               "graph's compute more than it saves (benchmarks/RESULTS.md)"),
     OptionSpec("nvme_copies", 2, _choice(2, 1),
                "copies of each swap file: 2 keeps the last good step through a failed write, 1 halves the disk"),
     OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
@@ -286,6 +293,7 @@ class ZinfOptions:
     aio_queue_depth: int
     aio_threads: int
     nvme_grad_ram_bytes: int
+    overlap_optimizer: bool | str
     nvme_copies: int
     pinned_bytes: int | str
     collective_timeout: int

@@ -1,0 +1,393 @@
+"""The NVMe optimizer step taken during backward, as each parameter's gradient lands.
+
+Why: with the optimizer state on NVMe a step moves 24 bytes per parameter
+(fp32 master and two moments, read and written).  Done after backward, that
+I/O waits while the disk idled through forward and backward.  Here, as the
+store adds a parameter's gradient (the last block's first), that parameter's
+master and moments are read, stepped with the gradient as it stands, and
+written back as *held* copies (``AioEngine.write(hold=True)``): every reader
+keeps seeing the previous step.  ``opt.step()`` then commits each held step
+whose premises still hold:
+
+* no clipping scaled the gradients (``clip_grad_norm_`` found the norm under
+  ``max_norm``, or was not called), and no fp16 overflow skipped the step;
+* no gradient arrived for the parameter afterwards (accumulation over
+  micro-batches, or a second graph that uses it);
+* the hyperparameters (lr, betas, eps, weight_decay) and the step count are
+  the ones it stepped with;
+* every held write completed.
+
+A committed step is bit-equal to the after-backward step: the same kernel on
+the same inputs.  Anything else is dropped, and that parameter is stepped
+after backward as before, from its gradient (still on disk or in RAM).  So
+the result never depends on the guess; only the speed does.
+
+Which arrival to step at: the last one of the step before (a parameter two
+graphs use gets two per step; accumulating k micro-batches, k).  After a
+step that clipped, nothing is stepped early: clipping tends to repeat, and a
+dropped step costs its disk traffic twice.
+
+No thread: the pipeline moves on at the store's transfer points during
+backward (:meth:`EarlyAdam.advance`), which never waits.  It starts reads
+while its own pinned pool has room and computes a group once its reads are
+done.  ``opt.step()`` finishes what is left (:meth:`EarlyAdam.finish`).  Its
+pool is its own, so the graph's fetches and this pipeline never wait on each
+other's buffers.
+
+Scope: parameters whose shard rests on NVMe (``offload_param="nvme"``, stage
+3), with ``nvme_copies=2``.  The updated parameter is held too: it is the
+master's keys (fp32) or held writes of its own keys.  A shard resting in
+memory would need the updated copy kept aside until the verdict; such
+parameters step after backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from .nvme_adam import STATE_NAMES, adam_kernel, state_key, sub_groups
+from .pinned import PinnedPool
+
+# Sub-groups read ahead per parameter: one computing while the next is read.
+READ_AHEAD = 2
+POOL_WAIT_SECONDS = 120.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    index: int
+    start: int
+    stop: int
+    buffers: dict = dataclasses.field(default_factory=dict)  # name -> PinnedBuffer
+    requests: list = dataclasses.field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def in_flight(self) -> bool:
+        return not all(request.done() for request in self.requests)
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """One parameter's early step: its sub-groups move from pending to reading to writing."""
+
+    record: object
+    grad: torch.Tensor | None  # the whole local fp32 gradient, on the CPU, until every group is computed
+    grad_owned: bool  # ``grad`` is a copy made for this job (counted as transient CPU memory)
+    hyper: tuple  # (lr, beta1, beta2, eps, weight_decay)
+    step_count: int
+    pending: list  # _Group not started
+    reading: list = dataclasses.field(default_factory=list)
+    writing: list = dataclasses.field(default_factory=list)
+    keys: list = dataclasses.field(default_factory=list)  # every key written held
+    param_staging: object = None  # PinnedBuffer: the updated shard in compute dtype (own param keys)
+    param_requests: list = dataclasses.field(default_factory=list)
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancelled or self.error is not None
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight and no buffer held."""
+        return not (self.reading or self.writing or self.param_requests) and self.param_staging is None
+
+    @property
+    def complete(self) -> bool:
+        return self.settled and not self.pending and not self.stopped
+
+
+def hyperparameters(group: dict) -> tuple:
+    beta1, beta2 = group["betas"]
+    return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+
+
+class EarlyAdam:
+    """Early steps of the parameters of one :class:`~zinf_compiler.runtime.nvme_adam.NvmeAdam`."""
+
+    def __init__(self, nvme_adam, records_and_groups: list[tuple[object, dict]]):
+        """``records_and_groups``: each record to step early with the optimizer's live param group of it."""
+        self.nvme_adam = nvme_adam
+        self.records = [record for record, _ in records_and_groups]
+        # uid -> the param group whose hyperparameters it steps with
+        self.groups_by_uid = {record.uid: group for record, group in records_and_groups}
+        self.jobs: dict[int, _Job] = {}  # uid -> its current early step
+        self.dropped: list[_Job] = []  # cancelled jobs still settling their transfers
+        self.arrivals: dict[int, int] = {}  # uid -> gradients added since the last step
+        self.expected: dict[int, int] = {}  # uid -> gradients the last step had
+        self.tiles: dict[int, set] = {}  # uid -> tiles added in the current arrival
+        self.skip_next = False  # the last step clipped: no early steps this time
+        self.pool: PinnedPool | None = None
+        self.stats = {"started": 0, "committed": 0, "dropped": 0}
+        for record in self.records:
+            record.grad_listener = weakref.ref(self)  # the store tells of gradients (it must not keep us alive)
+        nvme_adam.store.add_background_work(self)
+
+    # --- the store's side -------------------------------------------------------------
+
+    def arrival(self, record, tile: int | None) -> bool:
+        """A gradient (or a tile of it) was added to ``record``'s: whether to step it now.
+
+        Any early step of ``record`` started before is void from here on.
+        """
+        self._cancel(record.uid)
+        if tile is not None:
+            seen = self.tiles.setdefault(record.uid, set())
+            seen.add(tile)
+            if len(seen) < len(record.tile_rows):
+                return False
+            del self.tiles[record.uid]
+        count = self.arrivals[record.uid] = self.arrivals.get(record.uid, 0) + 1
+        if self.skip_next or count != self.expected.get(record.uid, 1):
+            return False
+        return record.uid in self.groups_by_uid and record.owns_state
+
+    def start(self, record, grad: torch.Tensor, owned: bool) -> None:
+        """Step ``record`` early with its whole local gradient ``grad`` (fp32, CPU; read, never written).
+
+        ``owned``: ``grad`` is a copy made for this step, counted as transient CPU memory until used.
+        """
+        steps = self.nvme_adam.steps.get(record.uid, 0)
+        groups = [_Group(index, start, stop) for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
+        if owned:
+            self.nvme_adam.store.count_transient("cpu", grad.numel() * 4, f"early step of {record.name}",
+                                                 record.ledger)
+        self.jobs[record.uid] = _Job(record, grad, owned, hyperparameters(self.groups_by_uid[record.uid]),
+                                     steps + 1, groups)
+        self.stats["started"] += 1
+        self.advance()
+
+    def gradients_dropped(self, record) -> None:
+        """``opt.zero_grad()``: the gradient is gone, and so is any step taken from it."""
+        self._cancel(record.uid)
+        self.arrivals.pop(record.uid, None)
+        self.tiles.pop(record.uid, None)
+
+    def _cancel(self, uid: int) -> None:
+        job = self.jobs.pop(uid, None)
+        if job is None:
+            return
+        job.cancelled = True
+        self._release_grad(job)
+        job.record.swap.drop_held(job.keys)
+        self.stats["dropped"] += 1
+        self.dropped.append(job)
+
+    # --- the pipeline ------------------------------------------------------------------
+
+    def _pool(self) -> PinnedPool:
+        if self.pool is None:
+            records = self.records
+            group = max(sub_groups(r.local_numel)[0][1] * 4 + 4096 for r in records)
+            shard = max([r.shard_bytes + 4096 for r in records if not r.params_in_master] + [0])
+            # Groups reading ahead and one writing, three state buffers each; the shards of
+            # two parameters in compute dtype (one being written while the next is staged).
+            self.pool = PinnedPool((READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard)
+            store = self.nvme_adam.store
+            store.count_pinned_pool(self.pool.capacity_bytes)
+            weakref.finalize(self.pool, store.count_pinned_pool, -self.pool.capacity_bytes)
+        return self.pool
+
+    def advance(self) -> None:
+        """Move every job on as far as it goes without waiting."""
+        self._pass(list(self.jobs.values()))
+        self._pass(self.dropped)
+        self.dropped = [job for job in self.dropped if not job.settled]
+
+    def _pass(self, jobs: list[_Job]) -> bool:
+        """One non-blocking pass over ``jobs`` in order; True when something moved.
+
+        A job starts reads only once every job before it has started all of
+        its own, so the jobs hold few buffers at once (see :meth:`_pool`).
+        """
+        moved, may_read = False, True
+        for job in jobs:
+            moved |= self._progress(job, may_read)
+            may_read = may_read and (not job.pending or job.stopped)
+        return moved
+
+    def _progress(self, job: _Job, may_read: bool) -> bool:
+        """One non-blocking pass over ``job``; True when something moved."""
+        moved = False
+        while job.writing and not job.writing[0].in_flight():
+            self._settle(job, job.writing.pop(0))
+            moved = True
+        if job.param_requests and all(request.done() for request in job.param_requests):
+            self._settle_param(job)
+            moved = True
+        while job.reading and not job.reading[0].in_flight():
+            self._finish_reads(job)
+            moved = True
+        while may_read and job.pending and not job.stopped and len(job.reading) < READ_AHEAD:
+            if not self._start_reads(job, job.pending[0], wait=False):
+                break
+            job.reading.append(job.pending.pop(0))
+            moved = True
+        return moved
+
+    def _finish_reads(self, job: _Job) -> None:
+        """The oldest reading group: step it (its reads waited for), or give it back if the job stopped."""
+        group = job.reading.pop(0)
+        if job.stopped:
+            self._settle(job, group)
+        else:
+            self._compute(job, group)
+
+    def _start_reads(self, job: _Job, group: _Group, wait: bool) -> bool:
+        nbytes = group.numel * 4
+        pool = self._pool()
+        for name in STATE_NAMES:
+            try:
+                group.buffers[name] = pool.acquire(nbytes, timeout=POOL_WAIT_SECONDS if wait else 0)
+            except TimeoutError:
+                if wait:
+                    raise
+                for buffer in group.buffers.values():
+                    buffer.release()
+                group.buffers = {}
+                return False
+        record = job.record
+        try:
+            for name in STATE_NAMES:
+                if name != "master" and job.step_count == 1:
+                    group.buffers[name].tensor(torch.float32, group.numel).zero_()
+                else:
+                    key = state_key(name, record.uid, group.index)
+                    group.requests.append(record.swap.read(key, group.buffers[name], nbytes, background=True))
+        except BaseException as err:
+            job.error = job.error or err
+        return True
+
+    def _compute(self, job: _Job, group: _Group) -> None:
+        record = job.record
+        try:
+            for request in group.requests:
+                request.wait()
+        except BaseException as err:
+            job.error = job.error or err
+            self._settle(job, group)
+            return
+        master, exp_avg, exp_avg_sq = (group.buffers[name].tensor(torch.float32, group.numel)
+                                       for name in STATE_NAMES)
+        lr, beta1, beta2, eps, weight_decay = job.hyper
+        adam_kernel(self.nvme_adam.decoupled, master, job.grad[group.start : group.stop], exp_avg, exp_avg_sq,
+                    job.step_count, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        group.requests = []
+        if group.stop == record.local_numel:
+            self._release_grad(job)  # the last group: the gradient is used up
+        try:
+            for name in STATE_NAMES:
+                key = state_key(name, record.uid, group.index)
+                job.keys.append(key)
+                group.requests.append(record.swap.write(key, group.buffers[name], group.numel * 4, hold=True,
+                                                        background=True))
+            if not record.params_in_master:
+                self._stage_param(job, group, master)
+        except BaseException as err:
+            job.error = job.error or err
+        job.writing.append(group)
+
+    def _release_grad(self, job: _Job) -> None:
+        if job.grad is not None and job.grad_owned:
+            self.nvme_adam.store.count_transient("cpu", -job.grad.numel() * 4, "", job.record.ledger)
+        job.grad = None
+
+    def _stage_param(self, job: _Job, group: _Group, master: torch.Tensor) -> None:
+        """The updated slice into the shard's staging (compute dtype); the whole shard written held at its end."""
+        record = job.record
+        if job.param_staging is None:
+            job.param_staging = self._pool().acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
+        staged = job.param_staging.tensor(record.compute_dtype, record.local_numel)
+        staged[group.start : group.stop].copy_(master)
+        if group.stop == record.local_numel:
+            job.keys.extend(key for key, _, _ in record.swap_layout())
+            job.param_requests = self.nvme_adam.store.write_param(record, job.param_staging, hold=True)
+
+    def _settle(self, job: _Job, group: _Group) -> None:
+        """Finish ``group``'s transfers (errors go to the job) and give its buffers back."""
+        for request in group.requests:
+            try:
+                request.wait()
+            except BaseException as err:
+                job.error = job.error or err
+        group.requests = []
+        for buffer in group.buffers.values():
+            buffer.release()
+        group.buffers = {}
+
+    def _settle_param(self, job: _Job) -> None:
+        for request in job.param_requests:
+            try:
+                request.wait()
+            except BaseException as err:
+                job.error = job.error or err
+        job.param_requests = []
+        if job.param_staging is not None:
+            job.param_staging.release()
+            job.param_staging = None
+
+    def finish(self) -> None:
+        """Run every job to its end, waiting where needed (``opt.step()``, with the graph done)."""
+        jobs = list(self.jobs.values()) + self.dropped
+        while not all(job.settled and (job.stopped or not job.pending) for job in jobs):
+            if self._pass(jobs):
+                continue
+            # Nothing moves without waiting: wait for the oldest transfer in flight.
+            for job in jobs:
+                if job.reading:
+                    self._finish_reads(job)
+                elif job.writing:
+                    self._settle(job, job.writing.pop(0))
+                elif job.param_requests:
+                    self._settle_param(job)
+                else:
+                    continue
+                break
+            else:
+                # Nothing in flight: the pool holds at most the first unfinished job's staging.
+                job = next(job for job in jobs if job.pending and not job.stopped)
+                self._start_reads(job, job.pending[0], wait=True)
+                job.reading.append(job.pending.pop(0))
+        self.dropped = []
+
+    # --- the verdict -----------------------------------------------------------------
+
+    def commit(self, clipped: bool) -> set[int]:
+        """At ``opt.step()``: finish, commit every early step that counts, and drop the rest.
+
+        Commits go into the swap transaction the caller holds open.  Returns
+        the uids committed (their step counts advanced); the caller steps the
+        others after backward as before.  ``clipped``: clipping scaled the
+        gradients after the early steps read them (none counts).
+        """
+        self.finish()
+        committed = set()
+        for uid, job in self.jobs.items():
+            self._release_grad(job)  # a job that stopped half way may still hold it
+            record = job.record
+            current = self.groups_by_uid.get(uid)
+            counts = (not clipped and job.complete and record.grad_multiplier == 1.0 and current is not None
+                      and hyperparameters(current) == job.hyper
+                      and self.nvme_adam.steps.get(uid, 0) + 1 == job.step_count
+                      and record.swap.holds(job.keys))
+            if counts:
+                record.swap.commit_held(job.keys)
+                self.nvme_adam.steps[uid] = job.step_count
+                committed.add(uid)
+            else:
+                record.swap.drop_held(job.keys)
+        self.stats["committed"] += len(committed)
+        self.stats["dropped"] += len(self.jobs) - len(committed)
+        self.jobs = {}
+        self.expected.update(self.arrivals)
+        self.arrivals = {}
+        self.tiles = {}
+        self.skip_next = clipped
+        return committed

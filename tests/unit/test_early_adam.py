@@ -1,0 +1,204 @@
+"""In-process unit tests of the optimizer step taken during backward (runtime/early_adam.py, issue 26).
+
+Two stores of their own, fed the same gradients through the store's reduce
+ops: one steps after backward only (NvmeAdam.step), the other early, as each
+gradient lands, committing at the step.  The two must hold bit-equal masters,
+moments and parameters after every step, whatever voids an early step
+(accumulation, clipping, a changed learning rate, zero_grad).  Sub-groups are
+made small (1024 elements) so that each parameter streams in several.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import torch
+
+from zinf_compiler.runtime import early_adam, nvme_adam, store as store_module, units
+from zinf_compiler.runtime.early_adam import EarlyAdam
+from zinf_compiler.runtime.nvme_adam import NvmeAdam, state_key
+from zinf_compiler.runtime.store import ParamStore
+
+GROUP_NUMEL = 1024
+SHAPES = {"a": (5, 500), "b": (3, 7)}  # 2,500 elements: three sub-groups; 21: one
+
+
+@pytest.fixture(autouse=True)
+def small_sub_groups(monkeypatch):
+    small = functools.partial(nvme_adam.sub_groups, group_numel=GROUP_NUMEL)
+    for module in (nvme_adam, early_adam, store_module, units):
+        monkeypatch.setattr(module, "sub_groups", small)
+
+
+class Side:
+    """One store with its parameters on NVMe at stage 3 and an NvmeAdam over them, early or not."""
+
+    def __init__(self, folder, early: bool, param_dtype: str = "fp32", grads_in_ram: bool = False):
+        self.store = ParamStore()
+        folder.mkdir()
+        self.store.configure_offload(str(folder), 32 << 20, aio_block_size=1 << 20, aio_queue_depth=4,
+                                     aio_threads=2)
+        torch.manual_seed(0)
+        self.params = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in SHAPES.items()}
+        self.records = {}
+        for name, param in self.params.items():
+            record = self.store.adopt(param, name, stage=3, partition="allgather", param_dtype=param_dtype,
+                                      param_tier="nvme", opt_tier="nvme", step_in_backward=early,
+                                      grad_ram_bytes=1 << 30 if grads_in_ram else 0)
+            self.store.release_full_storage([record])
+            self.records[name] = record
+        self.group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+        self.adam = NvmeAdam(self.store, decoupled_weight_decay=True)
+        if early:
+            self.adam.early = EarlyAdam(self.adam, [(record, self.group) for record in self.records.values()])
+
+    def backward(self, grads: dict[str, torch.Tensor]) -> None:
+        """The backward graph's reduce ops, last parameter first."""
+        for name in reversed(list(grads)):
+            unit = self.store.unit([self.records[name]])
+            self.store.reduce_grad_start(unit, [grads[name]])
+            self.store.reduce_grad_wait(unit)
+
+    def step(self, clipped: float | None = None) -> set:
+        """``opt.step()``: (clipping), commit what counts, step the rest after backward."""
+        records = list(self.records.values())
+        if clipped is not None:
+            for record in records:
+                if record.grad_in_ram:
+                    record.grad_shard.mul_(clipped)
+                else:
+                    record.grad_multiplier *= clipped
+        engine = records[0].swap
+        with engine.transaction():
+            early = self.adam.early.commit(clipped is not None) if self.adam.early is not None else set()
+            late = [types.SimpleNamespace(record=r) for r in records if r.uid not in early]
+            self.adam.step(late, [self.group] * len(late))
+        return early
+
+    def zero_grad(self) -> None:
+        self.store.drop_grads(self.records.values())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every record's master, moments and parameter value as they read now."""
+        out = {}
+        for name, record in self.records.items():
+            stepped = self.adam.steps.get(record.uid, 0) > 0  # the moments exist from the first step on
+            for state in ("master", "exp_avg", "exp_avg_sq") if stepped else ("master",):
+                out[f"{name}.{state}"] = torch.cat([
+                    self.store._read_swap(record.swap, state_key(state, record.uid, index), torch.float32,
+                                          stop - start, torch.device("cpu"))
+                    for index, (start, stop) in enumerate(nvme_adam.sub_groups(record.local_numel))])
+            out[f"{name}.param"] = self.store.full_param(record)
+        return out
+
+    def close(self) -> None:
+        for engine in self.store.engines():
+            engine.close()
+
+
+@pytest.fixture
+def sides(tmp_path, request):
+    made = []
+
+    def make(**kwargs):
+        late = Side(tmp_path / f"late{len(made)}", early=False, **kwargs)
+        early = Side(tmp_path / f"early{len(made)}", early=True, **kwargs)
+        made.extend([late, early])
+        return late, early
+
+    yield make
+    for side in made:
+        side.close()
+
+
+def _grads(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {name: torch.randn(shape) for name, shape in SHAPES.items()}
+
+
+def _assert_bit_equal(late: Side, early: Side) -> None:
+    expected, actual = late.state(), early.state()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), f"{key} differs"
+
+
+@pytest.mark.parametrize("param_dtype, grads_in_ram", [("fp32", False), ("fp32", True), ("bf16", False)])
+def test_steps_taken_in_backward_equal_the_steps_after_it_bit_for_bit(sides, param_dtype, grads_in_ram):
+    late, early = sides(param_dtype=param_dtype, grads_in_ram=grads_in_ram)
+    for step in range(3):
+        grads = _grads(step)
+        for side in (late, early):
+            side.backward(grads)
+        before = early.state()
+        early.adam.early.finish()
+        # Done but not committed: every reader still sees the previous step.
+        assert all(torch.equal(before[key], value) for key, value in early.state().items())
+        late.step()
+        assert early.step() == {r.uid for r in early.records.values()}, "every early step counts"
+        _assert_bit_equal(late, early)
+        for side in (late, early):
+            side.zero_grad()
+    assert early.adam.early.stats == {"started": 6, "committed": 6, "dropped": 0}
+    assert early.store.pinned.in_use_bytes == 0 and early.adam.early.pool.in_use_bytes == 0
+    assert early.store.transient["cpu"] == 0, "the gradient copies early steps hold are counted until used"
+
+
+def test_a_gradient_arriving_after_the_early_step_voids_it_and_the_next_step_waits_for_the_last(sides):
+    late, early = sides()
+    for step in range(3):  # two micro-batches per step
+        for micro in range(2):
+            grads = _grads(10 * step + micro)
+            for side in (late, early):
+                side.backward(grads)
+        late.step()
+        committed = early.step()
+        # The first step guessed one arrival (voided by the second); later steps wait for the second.
+        assert committed == (set() if step == 0 else {r.uid for r in early.records.values()})
+        _assert_bit_equal(late, early)
+        for side in (late, early):
+            side.zero_grad()
+    assert early.adam.early.stats["dropped"] == 2 and early.adam.early.stats["committed"] == 4
+
+
+def test_clipping_voids_the_early_steps_and_the_next_step_is_not_stepped_early(sides):
+    late, early = sides(grads_in_ram=True)
+    for step, clip in enumerate([0.5, None, None]):
+        grads = _grads(step)
+        for side in (late, early):
+            side.backward(grads)
+        late.step(clip)
+        committed = early.step(clip)
+        assert committed == (set() if step < 2 else {r.uid for r in early.records.values()})
+        _assert_bit_equal(late, early)
+        for side in (late, early):
+            side.zero_grad()
+    # Step 1 stepped nothing early (step 0 clipped); step 2 did.
+    assert early.adam.early.stats["started"] == 4 and early.adam.early.stats["committed"] == 2
+
+
+def test_a_learning_rate_changed_before_the_step_voids_the_early_steps(sides):
+    late, early = sides()
+    grads = _grads(0)
+    for side in (late, early):
+        side.backward(grads)
+        side.group["lr"] = 5e-3  # a scheduler stepped between backward and opt.step()
+    late.step()
+    assert early.step() == set()
+    _assert_bit_equal(late, early)
+
+
+def test_zero_grad_before_the_step_drops_the_early_steps_and_their_held_copies(sides):
+    late, early = sides()
+    before = early.state()
+    early.backward(_grads(0))
+    early.adam.early.finish()
+    early.zero_grad()
+    assert early.adam.early.jobs == {} and early.adam.early.stats["dropped"] == 2
+    early.adam.early.finish()  # the dropped jobs' transfers settle
+    record = early.records["a"]
+    assert not record.swap.holds([state_key("master", record.uid, 0)])
+    assert early.step() == set()  # nothing to step: no gradient
+    assert all(torch.equal(before[key], value) for key, value in early.state().items())
+    assert early.adam.early.pool.in_use_bytes == 0 and early.store.transient["cpu"] == 0
