@@ -126,6 +126,10 @@ class EarlyAdam:
         self.skip_next = False  # the last step clipped: no early steps this time
         self.pool: PinnedPool | None = None
         self.stats = {"started": 0, "committed": 0, "dropped": 0}
+        # Bytes of gradient copies counted as transient CPU memory, per model ledger: id -> [ledger, bytes].
+        # Given back when each is used up, or all at once if the optimizer is dropped with steps in flight.
+        self._counted: dict[int, list] = {}
+        weakref.finalize(self, _uncount, nvme_adam.store, self._counted)
         for record in self.records:
             record.grad_listener = weakref.ref(self)  # the store tells of gradients (it must not keep us alive)
         nvme_adam.store.add_background_work(self)
@@ -157,8 +161,7 @@ class EarlyAdam:
         steps = self.nvme_adam.steps.get(record.uid, 0)
         groups = [_Group(index, start, stop) for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
         if owned:
-            self.nvme_adam.store.count_transient("cpu", grad.numel() * 4, f"early step of {record.name}",
-                                                 record.ledger)
+            self._count(record.ledger, grad.numel() * 4, f"early step of {record.name}")
         self.jobs[record.uid] = _Job(record, grad, owned, hyperparameters(self.groups_by_uid[record.uid]),
                                      steps + 1, groups)
         self.stats["started"] += 1
@@ -296,8 +299,13 @@ class EarlyAdam:
 
     def _release_grad(self, job: _Job) -> None:
         if job.grad is not None and job.grad_owned:
-            self.nvme_adam.store.count_transient("cpu", -job.grad.numel() * 4, "", job.record.ledger)
+            self._count(job.record.ledger, -job.grad.numel() * 4, "")
         job.grad = None
+
+    def _count(self, ledger, delta: int, what: str) -> None:
+        self.nvme_adam.store.count_transient("cpu", delta, what, ledger)
+        entry = self._counted.setdefault(id(ledger), [ledger, 0])
+        entry[1] += delta
 
     def _stage_param(self, job: _Job, group: _Group, master: torch.Tensor) -> None:
         """The updated slice into the shard's staging (compute dtype); the whole shard written held at its end."""
@@ -391,3 +399,11 @@ class EarlyAdam:
         self.tiles = {}
         self.skip_next = clipped
         return committed
+
+
+def _uncount(store, counted: dict[int, list]) -> None:
+    """An EarlyAdam was dropped: stop counting the gradient copies its unfinished steps held."""
+    for ledger, nbytes in counted.values():
+        if nbytes:
+            store.count_transient("cpu", -nbytes, "", ledger)
+    counted.clear()

@@ -116,8 +116,8 @@ def _check_collective_counts(results, world):
     blocks, params = MODEL["n_layer"], 4 + 12 * MODEL["n_layer"]  # wte, wpe, ln_f (2); 12 per block
     for config_result in results[0]:
         config, calls = config_result["config"], config_result["calls_per_step"]
-        if config.get("partition", "allgather") != "allgather" or "tile_factor" in config:  # tiles move alone
-            continue
+        if config.get("partition", "allgather") != "allgather" or "tile_factor" in config or "mesh" in config:
+            continue  # tiles move alone; HSDP counts its own (_check_hsdp)
         gathers, reduces = calls.get("all_gather", 0), calls.get("reduce_scatter", 0)
         bucket_bytes = config.get("bucket_bytes", 64 << 20)
         if bucket_bytes == 0:
@@ -133,48 +133,18 @@ def _check_collective_counts(results, world):
             assert blocks + 2 < reduces < params, (config, calls)
 
 
-def test_stages_offload_buckets_and_early_steps_at_world_4():
-    """At world size 4: ZeRO stages 0-3 (broadcast partitioning at stage 3 only; worlds 1 and 2 run the
-    rest), issue 13 acceptance 2: buckets with shards on CPU memory and on NVMe, one collective per
-    parameter on NVMe, tiles next to buckets; issue 26: optimizer steps taken during backward."""
-    stages = [config for config in CONFIGS if "bucket_bytes" not in config
-              and (config.get("partition") != "broadcast" or config["stage"] == 3)]
-    configs = stages + [{"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
-               {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "bucket_bytes": 0},
-               # The MLP weights (16 KiB) tiled, alone, next to bucketed parameters, on NVMe.
-               {"stage": 3, "tile_threshold": 12 * 1024 + 1, "tile_factor": 3, "offload_param": "nvme"},
-               EARLY_CONFIGS[0]]
-    results = run_ranks(4, "zero_worker", {"model": MODEL, "steps": 3, "batch": 1, "configs": configs})
-    _check(results, 4)
-    _check_memory_report(results, 4)
-    _check_collective_counts(results, 4)
-    _check_early_steps(results)
+HSDP_CONFIGS = [{"stage": 3, "mesh": [2, 2]}, {"stage": 2, "mesh": [2, 2]},
+                {"stage": 1, "mesh": [2, 2], "offload_optimizer": "cpu"},
+                {"stage": 3, "mesh": [2, 2], "offload_param": "cpu", "offload_optimizer": "cpu", "bucket_bytes": 0},
+                {"stage": 3, "mesh": [4]}]
 
 
-# World 4 runs in test_stages_offload_buckets_and_early_steps_at_world_4 (one launch of four processes).
-@pytest.mark.parametrize("world", [1, 2])
-def test_zero_stages_match_eager(world):
-    # Buckets only exist at world size > 1 (a world-1 run of those configs would repeat the default one).
-    configs = CONFIGS if world == 2 else [config for config in CONFIGS if "bucket_bytes" not in config]
-    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": configs})
-    _check(results, world)
-    _check_memory_report(results, world)
-    _check_collective_counts(results, world)
-
-
-def test_hsdp_on_a_2x2_mesh_at_world_4_equals_eager():
+def _check_hsdp(results, refusals):
     """Issue 27 acceptance 2: option mesh, a 2-D DeviceMesh (replicate, shard) over 4 ranks: parameters
     sharded within each pair of ranks, gradients reduce-scattered there and averaged across the pairs
-    (HSDP), at stages 1-3 and with CPU offload; a 1-D DeviceMesh over every rank trains like no mesh."""
-    configs = [{"stage": 3, "mesh": [2, 2]}, {"stage": 2, "mesh": [2, 2]},
-               {"stage": 1, "mesh": [2, 2], "offload_optimizer": "cpu"},
-               {"stage": 3, "mesh": [2, 2], "offload_param": "cpu", "offload_optimizer": "cpu", "bucket_bytes": 0},
-               {"stage": 3, "mesh": [4]}]
-    results = run_ranks(4, "zero_worker", {"model": MODEL, "steps": 3, "batch": 1, "configs": configs,
-                                           "mesh_refusals": True})
-    refusals = [rank_results.pop() for rank_results in results]
-    _check(results, 4)
-    for refused in refusals:  # on every rank alike
+    (HSDP), at stages 1-3 and with CPU offload; a 1-D DeviceMesh over every rank trains like no mesh
+    (equality with eager: _check).  Meshes zinf refuses raise on every rank alike."""
+    for refused in refusals:
         assert refused["stage 0"][0] == "ZinfOptionError" and "needs stage 1, 2 or 3" in refused["stage 0"][1], refused
         assert refused["3-D mesh"][0] == "ZinfOptionError" and "3-D DeviceMesh" in refused["3-D mesh"][1], refused
         assert "not settable from the environment" in refused["environment"][1], refused
@@ -183,6 +153,8 @@ def test_hsdp_on_a_2x2_mesh_at_world_4_equals_eager():
     for rank_results in results:
         for config_result in rank_results:
             config, calls = config_result["config"], config_result["calls_per_step"]
+            if "mesh" not in config:
+                continue
             if config["mesh"] == [2, 2]:
                 # Each rank keeps half of every parameter (its shard group has 2 ranks), not a quarter.
                 if config["stage"] == 3 and config.get("offload_param") is None:
@@ -193,3 +165,36 @@ def test_hsdp_on_a_2x2_mesh_at_world_4_equals_eager():
                 assert calls.get("all_reduce", 0) >= calls["reduce_scatter"] > 0, (config, calls)
             else:
                 assert calls.get("all_reduce", 0) == 0, (config, calls)
+
+
+def test_at_world_4_stages_offload_buckets_early_steps_and_hsdp_equal_eager():
+    """World size 4, one launch of four processes (suite time): ZeRO stages 0-3 (broadcast partitioning at
+    stage 3 only; worlds 1 and 2 run the rest); issue 13 acceptance 2: buckets with shards on CPU memory
+    and on NVMe, one collective per parameter on NVMe, tiles next to buckets; issue 26: optimizer steps
+    taken during backward; issue 27 acceptance 2: HSDP on a 2x2 mesh (see _check_hsdp)."""
+    stages = [config for config in CONFIGS if "bucket_bytes" not in config
+              and (config.get("partition") != "broadcast" or config["stage"] == 3)]
+    configs = stages + [{"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+               {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "bucket_bytes": 0},
+               # The MLP weights (16 KiB) tiled, alone, next to bucketed parameters, on NVMe.
+               {"stage": 3, "tile_threshold": 12 * 1024 + 1, "tile_factor": 3, "offload_param": "nvme"},
+               EARLY_CONFIGS[0]] + HSDP_CONFIGS
+    results = run_ranks(4, "zero_worker", {"model": MODEL, "steps": 3, "batch": 1, "configs": configs,
+                                           "mesh_refusals": True})
+    refusals = [rank_results.pop() for rank_results in results]
+    _check(results, 4)
+    _check_memory_report(results, 4)
+    _check_collective_counts(results, 4)
+    _check_early_steps(results)
+    _check_hsdp(results, refusals)
+
+
+# World 4 runs in test_at_world_4_stages_offload_buckets_early_steps_and_hsdp_equal_eager (one launch).
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_stages_match_eager(world):
+    # Buckets only exist at world size > 1 (a world-1 run of those configs would repeat the default one).
+    configs = CONFIGS if world == 2 else [config for config in CONFIGS if "bucket_bytes" not in config]
+    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": configs})
+    _check(results, world)
+    _check_memory_report(results, world)
+    _check_collective_counts(results, world)
