@@ -20,7 +20,17 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
 * zinf at stage 3 with ``offload_param``/``offload_optimizer`` = none, cpu,
   nvme, ``zinf.optim.AdamW``, default options (Inductor lowering); and nvme
   with ``nvme_grad_ram_bytes`` covering every gradient (DeepSpeed keeps its
-  gradients in RAM too).
+  gradients in RAM too); ``zinf_nvme_early`` and ``zinf_nvme_ram_early`` are those
+  two with ``overlap_optimizer=True`` (the optimizer stepped during
+  backward; "auto" leaves it after backward on a CPU device).
+
+With nvme configurations, the disk's read and write rates are probed once at
+the start (zinf's swap engine, 512 MiB each way), and a table puts each zinf
+configuration's median step next to its physical limit: max(compute, disk
+bytes / disk rate, collective bytes / link rate), with the bytes rank 0's
+zinf counted per measured step (disk bytes times the world size: the ranks
+share the disk), compute the eager step at the same world size, and the
+collective rate zinf's cost model measured.
 
 Same for all: fp32 everywhere, the same initial weights (``torch.manual_seed``
 before building the GPT), the same global batches (rank r takes its slice of
@@ -108,10 +118,10 @@ SYSTEMS = {
     # Like DeepSpeed, which keeps gradients in RAM: nvme_grad_ram_bytes covering every gradient.
     "zinf_nvme_ram": ("zinf stage 3, offload nvme, gradients in RAM", "zinf",
                       {"device": "nvme", "placement": "nvme", "grads_in_ram": True}),
-    # The two above with overlap_optimizer forced the other way ("auto" steps during backward with
-    # gradients on disk, after it with gradients in RAM on a CPU device): what each choice costs, same run.
-    "zinf_nvme_late": ("zinf stage 3, offload nvme, optimizer after backward", "zinf",
-                       {"device": "nvme", "placement": "nvme", "overlap_optimizer": False}),
+    # The two above with the optimizer stepped during backward (overlap_optimizer=True; "auto" is off on a
+    # CPU device): what it changes, in the same run.
+    "zinf_nvme_early": ("zinf stage 3, offload nvme, optimizer during backward", "zinf",
+                        {"device": "nvme", "placement": "nvme", "overlap_optimizer": True}),
     "zinf_nvme_ram_early": ("zinf stage 3, offload nvme, gradients in RAM, optimizer during backward", "zinf",
                             {"device": "nvme", "placement": "nvme", "grads_in_ram": True,
                              "overlap_optimizer": True}),

@@ -391,9 +391,10 @@ class ParamStore:
                 record.swap = self._engine_for(self._offload_settings["nvme_path"])
             if step_in_backward == "auto":
                 # On a CPU device the early step's CPU work (the Adam kernel, the swap checksums) shares
-                # the cores with the graph's compute; it pays there only by sparing the gradient's
-                # read-back from disk (benchmarks/RESULTS.md, issue 26).
-                step_in_backward = param.device.type != "cpu" or not record.grad_in_ram
+                # the cores with the graph's compute, and measured no gain there beyond noise (-12% to
+                # +10%, benchmarks/RESULTS.md, issue 26); with the compute on an accelerator the CPU idles
+                # through backward.
+                step_in_backward = param.device.type != "cpu"
             record.step_in_backward = (step_in_backward and stage == 3 and param_tier == "nvme"
                                        and opt_tier == "nvme" and not exact and param.requires_grad
                                        and record.swap.copies == 2)

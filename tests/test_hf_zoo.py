@@ -8,12 +8,15 @@ the equivalence suite's tolerances, and checkpointing recomputes exactly one
 region per decoder layer.  Most of these models' forwards are wrapped in
 ``def wrapper(*args, **kwargs)`` (``@can_return_tuple``), which once made
 the whole model one block.  Fourteen architectures run by default (the
-issue's eleven and three more); seven more run too (see MORE_ARCHITECTURES).
+issue's eleven and three more); seven more are marked slow (suite time) and
+run with ``pytest -m slow tests/test_hf_zoo.py`` or, with step times beside
+eager's, ``python benchmarks/hf_zoo.py`` (which runs this same check).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -68,9 +71,8 @@ def layer_paths(model: torch.nn.Module) -> set[str]:
     return set(lists)
 
 
-@pytest.fixture
-def checkpoint_plans(monkeypatch):
-    """(captured graph, plan) for every checkpointing plan recompute.py makes."""
+def record_checkpoint_plans(monkeypatch) -> list:
+    """(captured graph, plan) for every checkpointing plan recompute.py makes from now on."""
     plans = []
     original = recompute.apply_policy
 
@@ -82,29 +84,46 @@ def checkpoint_plans(monkeypatch):
     return plans
 
 
-@pytest.mark.parametrize("model_type", [*ARCHITECTURES, *MORE_ARCHITECTURES])
+@pytest.fixture
+def checkpoint_plans(monkeypatch):
+    return record_checkpoint_plans(monkeypatch)
+
+
+@pytest.mark.parametrize("model_type", [*ARCHITECTURES, *(pytest.param(name, marks=pytest.mark.slow)
+                                                          for name in MORE_ARCHITECTURES)])
 def test_hf_model_trains_like_eager_with_one_block_per_layer(model_type, tmp_path, checkpoint_plans):
+    check_architecture(model_type, str(tmp_path), checkpoint_plans)
+
+
+def check_architecture(model_type: str, nvme_path: str, checkpoint_plans: list) -> dict:
+    """Train ``model_type`` eagerly and under zinf side by side and assert the issue's points; returns the
+    step times (seconds per step after the first, each) for benchmarks/hf_zoo.py."""
     eager = build(model_type)
     layers = layer_paths(eager)
     assert repeated_blocks(module_classes(eager)) >= layers  # the module tree's blocks: the layers (and inner lists)
     zinf_model = copy.deepcopy(eager)
     options = {"stage": 3, "lower": "eager", "offload_param": "nvme", "offload_optimizer": "nvme",
-               "nvme_path": str(tmp_path), "activation_checkpointing": "block"}
+               "nvme_path": nvme_path, "activation_checkpointing": "block"}
     compiled = torch.compile(zinf_model, backend="zinf", options=options)
     eager_opt = torch.optim.AdamW(eager.parameters(), **ADAMW, fused=True)  # zinf's AdamW runs the fused kernel
     zinf_opt = zinf.optim.AdamW(zinf_model.parameters(), **ADAMW)
     generator = torch.Generator().manual_seed(1)
-    losses = []
+    losses, times = [], {"eager": [], "zinf": []}
     for step in range(STEPS):
         ids = torch.randint(3, 128, (2, 16), generator=generator)
+        started = time.perf_counter()
         eager_loss = eager(input_ids=ids, labels=ids).loss
         eager_loss.backward()
         eager_opt.step()
         eager_opt.zero_grad()
+        middle = time.perf_counter()
         zinf_loss = compiled(input_ids=ids, labels=ids).loss
         zinf_loss.backward()
         zinf_opt.step()
         zinf_opt.zero_grad()
+        if step:  # the first step compiles
+            times["eager"].append(middle - started)
+            times["zinf"].append(time.perf_counter() - middle)
         losses.append((eager_loss.item(), zinf_loss.item()))
     for step, (eager_loss, zinf_loss) in enumerate(losses):
         assert abs(eager_loss - zinf_loss) <= LOSS_RTOL * abs(eager_loss), f"{model_type} step {step}: {losses}"
@@ -127,3 +146,4 @@ def test_hf_model_trains_like_eager_with_one_block_per_layer(model_type, tmp_pat
         assert set(plan["blocks"]) == layers_in_graph, f"{model_type}: recomputed {plan['blocks']}, layers {layers}"
         recomputed |= set(plan["blocks"])
     assert recomputed == layers, f"{model_type}: recomputed regions {recomputed}, layers {layers}"
+    return {"losses": losses, "worst_param_error": errors[worst], "times": times}

@@ -51,7 +51,8 @@ def test_low_precision_trains_like_fp32():
 @pytest.mark.parametrize("tier", ["device", "nvme"])
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tier, tmp_path):
     # nvme: the optimizer steps during backward (overlap_optimizer); an overflow must void those steps.
-    offload = {"offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)} if tier == "nvme" else {}
+    offload = ({"offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path),
+                "overlap_optimizer": True} if tier == "nvme" else {})
     model, compiled, opt, _ = _train("fp16", steps=1, **offload)
     before = zinf.full_state_dict(compiled)
     scaler = STORE.lookup(next(model.parameters())).ledger.fp16_scaler

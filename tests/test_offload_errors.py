@@ -79,7 +79,7 @@ def test_enospc_during_the_optimizer_step_keeps_the_last_good_state(tmp_path, mo
 def test_enospc_while_stepping_during_backward_falls_back_and_keeps_the_last_good_state(tmp_path, monkeypatch):
     """overlap_optimizer: the optimizer state's writes during backward fail (the gradients' do not): the early
     steps are dropped, the step after backward runs and meets the same full disk, and nothing is taken as good."""
-    model, compiled = _compiled(tmp_path)
+    model, compiled = _compiled(tmp_path, overlap_optimizer=True)
     opt = zinf.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, compiled, opt, BATCHES[0])
     good = zinf.full_state_dict(compiled)
