@@ -3,7 +3,7 @@
     python benchmarks/hf_zoo.py [--only llama,mixtral]
 
 For each of the 21 architectures of ``tests/test_hf_zoo.py`` (configs in code,
-nothing downloaded; the default test run covers 14 of them, the other 7 are
+nothing downloaded; the default test run covers 12 of them, the other 9 are
 marked slow there and run here): the same check as the test (stage 3,
 parameters and optimizer state on NVMe, ``activation_checkpointing="block"``,
 3 AdamW steps beside eager: losses and parameters within the equivalence

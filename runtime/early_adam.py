@@ -219,13 +219,17 @@ class EarlyAdam:
     def _progress(self, job: _Job, may_read: bool) -> bool:
         """One non-blocking pass over ``job``; True when something moved."""
         moved = False
+        if job.stopped and job.param_staging is not None and not job.param_requests:
+            job.param_staging.release()  # stopped before its parameter's write: the staging goes back
+            job.param_staging = None
+            moved = True
         while job.writing and not job.writing[0].in_flight():
             self._settle(job, job.writing.pop(0))
             moved = True
         if job.param_requests and all(request.done() for request in job.param_requests):
             self._settle_param(job)
             moved = True
-        while job.reading and not job.reading[0].in_flight():
+        while job.reading and not job.reading[0].in_flight() and self._staging_ready(job):
             self._finish_reads(job)
             moved = True
         while may_read and job.pending and not job.stopped and len(job.reading) < READ_AHEAD:
@@ -234,6 +238,18 @@ class EarlyAdam:
             job.reading.append(job.pending.pop(0))
             moved = True
         return moved
+
+    def _staging_ready(self, job: _Job) -> bool:
+        """Whether the job can take its next group's update: it needs no staging for its parameter, holds
+        one, or gets one now without waiting (a wait here could be for a write only this thread finishes)."""
+        record = job.record
+        if record.params_in_master or job.param_staging is not None or job.stopped:
+            return True
+        try:
+            job.param_staging = self._pool().acquire(record.shard_bytes, timeout=0)
+        except TimeoutError:
+            return False
+        return True
 
     def _finish_reads(self, job: _Job) -> None:
         """The oldest reading group: step it (its reads waited for), or give it back if the job stopped."""
@@ -310,7 +326,7 @@ class EarlyAdam:
     def _stage_param(self, job: _Job, group: _Group, master: torch.Tensor) -> None:
         """The updated slice into the shard's staging (compute dtype); the whole shard written held at its end."""
         record = job.record
-        if job.param_staging is None:
+        if job.param_staging is None:  # finish(): nothing else holds the pool now (see _staging_ready)
             job.param_staging = self._pool().acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
         staged = job.param_staging.tensor(record.compute_dtype, record.local_numel)
         staged[group.start : group.stop].copy_(master)
@@ -360,7 +376,11 @@ class EarlyAdam:
                 break
             else:
                 # Nothing in flight: the pool holds at most the first unfinished job's staging.
-                job = next(job for job in jobs if job.pending and not job.stopped)
+                job = next((job for job in jobs if job.pending and not job.stopped), None)
+                if job is None:
+                    raise RuntimeError("zinf: early optimizer steps stuck with nothing in flight (a bug): "
+                                       + ", ".join(f"{j.record.name} pending={len(j.pending)} stopped={j.stopped} "
+                                                   f"staging={j.param_staging is not None}" for j in jobs))
                 self._start_reads(job, job.pending[0], wait=True)
                 job.reading.append(job.pending.pop(0))
         self.dropped = []

@@ -91,7 +91,7 @@ def test_offloaded_training_matches_eager(world):
     or not clipping, gradients on disk and in RAM."""
     configs = OFFLOAD_CONFIGS if world > 1 else [config for config in OFFLOAD_CONFIGS if "bucket_bytes" not in config]
     # Early steps at world 1: tests/unit/test_early_adam.py, test_offload_errors.py, test_hf_zoo.py (suite time).
-    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2,
+    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 4, "batch": 2,
                                                "configs": configs + (EARLY_CONFIGS if world > 1 else [])})
     _check(results, world)
     _check_early_steps(results)
@@ -195,7 +195,7 @@ def test_at_world_4_stages_offload_buckets_early_steps_and_hsdp_equal_eager():
 def test_zero_stages_match_eager(world):
     # Buckets only exist at world size > 1 (a world-1 run of those configs would repeat the default one).
     configs = CONFIGS if world == 2 else [config for config in CONFIGS if "bucket_bytes" not in config]
-    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": configs})
+    results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 4, "batch": 2, "configs": configs})
     _check(results, world)
     _check_memory_report(results, world)
     _check_collective_counts(results, world)
