@@ -48,28 +48,12 @@ import weakref
 
 import torch
 
-from .nvme_adam import STATE_NAMES, adam_kernel, state_key, sub_groups
+from .nvme_adam import STATE_NAMES, SubGroup, adam_kernel, state_key, sub_groups, wait_all
 from .pinned import PinnedPool
 
 # Sub-groups read ahead per parameter: one computing while the next is read.
 READ_AHEAD = 2
 POOL_WAIT_SECONDS = 120.0
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    index: int
-    start: int
-    stop: int
-    buffers: dict = dataclasses.field(default_factory=dict)  # name -> PinnedBuffer
-    requests: list = dataclasses.field(default_factory=list)
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-    def in_flight(self) -> bool:
-        return not all(request.done() for request in self.requests)
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,7 +65,7 @@ class _Job:
     grad_owned: bool  # ``grad`` is a copy made for this job (counted as transient CPU memory)
     hyper: tuple  # (lr, beta1, beta2, eps, weight_decay)
     step_count: int
-    pending: list  # _Group not started
+    pending: list  # SubGroup not started
     reading: list = dataclasses.field(default_factory=list)
     writing: list = dataclasses.field(default_factory=list)
     keys: list = dataclasses.field(default_factory=list)  # every key written held
@@ -159,7 +143,8 @@ class EarlyAdam:
         ``owned``: ``grad`` is a copy made for this step, counted as transient CPU memory until used.
         """
         steps = self.nvme_adam.steps.get(record.uid, 0)
-        groups = [_Group(index, start, stop) for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
+        groups = [SubGroup(record, index, start, stop)
+                  for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
         if owned:
             self._count(record.ledger, grad.numel() * 4, f"early step of {record.name}")
         self.jobs[record.uid] = _Job(record, grad, owned, hyperparameters(self.groups_by_uid[record.uid]),
@@ -259,7 +244,7 @@ class EarlyAdam:
         else:
             self._compute(job, group)
 
-    def _start_reads(self, job: _Job, group: _Group, wait: bool) -> bool:
+    def _start_reads(self, job: _Job, group: SubGroup, wait: bool) -> bool:
         nbytes = group.numel * 4
         pool = self._pool()
         for name in STATE_NAMES:
@@ -284,7 +269,7 @@ class EarlyAdam:
             job.error = job.error or err
         return True
 
-    def _compute(self, job: _Job, group: _Group) -> None:
+    def _compute(self, job: _Job, group: SubGroup) -> None:
         record = job.record
         try:
             for request in group.requests:
@@ -323,7 +308,7 @@ class EarlyAdam:
         entry = self._counted.setdefault(id(ledger), [ledger, 0])
         entry[1] += delta
 
-    def _stage_param(self, job: _Job, group: _Group, master: torch.Tensor) -> None:
+    def _stage_param(self, job: _Job, group: SubGroup, master: torch.Tensor) -> None:
         """The updated slice into the shard's staging (compute dtype); the whole shard written held at its end."""
         record = job.record
         if job.param_staging is None:  # finish(): nothing else holds the pool now (see _staging_ready)
@@ -334,24 +319,16 @@ class EarlyAdam:
             job.keys.extend(key for key, _, _ in record.swap_layout())
             job.param_requests = self.nvme_adam.store.write_param(record, job.param_staging, hold=True)
 
-    def _settle(self, job: _Job, group: _Group) -> None:
+    def _settle(self, job: _Job, group: SubGroup) -> None:
         """Finish ``group``'s transfers (errors go to the job) and give its buffers back."""
-        for request in group.requests:
-            try:
-                request.wait()
-            except BaseException as err:
-                job.error = job.error or err
+        _wait_for_job(job, group.requests)
         group.requests = []
         for buffer in group.buffers.values():
             buffer.release()
         group.buffers = {}
 
     def _settle_param(self, job: _Job) -> None:
-        for request in job.param_requests:
-            try:
-                request.wait()
-            except BaseException as err:
-                job.error = job.error or err
+        _wait_for_job(job, job.param_requests)
         job.param_requests = []
         if job.param_staging is not None:
             job.param_staging.release()
@@ -427,3 +404,11 @@ def _uncount(store, counted: dict[int, list]) -> None:
         if nbytes:
             store.count_transient("cpu", -nbytes, "", ledger)
     counted.clear()
+
+
+def _wait_for_job(job: _Job, requests: list) -> None:
+    """Wait for every request; the first failure becomes the job's (it is then dropped at the verdict)."""
+    try:
+        wait_all(requests, raise_errors=True)
+    except BaseException as err:  # AioError; anything else voids the early step just the same
+        job.error = job.error or err

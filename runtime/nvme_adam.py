@@ -49,8 +49,10 @@ def adam_kernel(decoupled: bool, master: torch.Tensor, grad: torch.Tensor, exp_a
            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
-@dataclasses.dataclass
-class _Group:
+@dataclasses.dataclass(eq=False)
+class SubGroup:
+    """One sub-group of a parameter's state being stepped: its pinned buffers and transfers in flight."""
+
     record: object
     index: int
     start: int
@@ -61,6 +63,9 @@ class _Group:
     @property
     def numel(self) -> int:
         return self.stop - self.start
+
+    def in_flight(self) -> bool:
+        return not all(request.done() for request in self.requests)
 
 
 class NvmeAdam:
@@ -74,7 +79,7 @@ class NvmeAdam:
         self.early = None  # EarlyAdam: the steps taken during backward (runtime/early_adam.py)
         self.store_wait_seconds = 120.0
 
-    def _start_reads(self, group: _Group, first_step: bool) -> None:
+    def _start_reads(self, group: SubGroup, first_step: bool) -> None:
         nbytes = group.numel * 4
         pool, engine = self.store._pool(4 * nbytes), group.record.swap
         for name in STATE_NAMES + ("grad",):
@@ -103,13 +108,13 @@ class NvmeAdam:
             if not record.owns_state or not record.has_grad:
                 continue
             for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-                plan.append((_Group(record, index, start, stop), hyper))
+                plan.append((SubGroup(record, index, start, stop), hyper))
         self._shards_updated = []
         if not plan:
             return
         self.store.finish_grad_writes([group.record for group, _ in plan])
         param_staging = {}  # uid -> PinnedBuffer holding the updated shard in compute dtype (nvme param tier)
-        held: list[_Group] = []  # groups holding pool buffers, oldest first
+        held: list[SubGroup] = []  # groups holding pool buffers, oldest first
         overwriting = False  # a state write was started (nvme_copies=1: in place)
         try:
             held.append(plan[0][0])
@@ -180,7 +185,7 @@ class NvmeAdam:
                                            group.numel, torch.device("cpu"))
             record.shard[group.start : group.stop].copy_(master)
 
-    def _publish_group(self, record, group: _Group, master: torch.Tensor, param_staging: dict) -> None:
+    def _publish_group(self, record, group: SubGroup, master: torch.Tensor, param_staging: dict) -> None:
         """Hand the updated slice to the parameter tier (nvme: the whole shard at once, to each of its swap keys)."""
         if record.params_in_master:
             return  # the master's write, in this transaction, is the parameter's
@@ -196,7 +201,7 @@ class NvmeAdam:
         if group.stop == record.local_numel:
             buffer = param_staging.pop(record.uid)
             try:
-                _wait_all(self.store.write_param(record, buffer), raise_errors=True)
+                wait_all(self.store.write_param(record, buffer), raise_errors=True)
             finally:
                 buffer.release()
 
@@ -209,7 +214,7 @@ class NvmeAdam:
                    if record.owns_state and self.steps.get(record.uid, 0) > 0)
 
 
-def _wait_all(requests: list, raise_errors: bool) -> None:
+def wait_all(requests: list, raise_errors: bool) -> None:
     """Wait for every request (all of them, even after one fails); then raise the first failure if asked."""
     failure = None
     for request in requests:
@@ -221,10 +226,10 @@ def _wait_all(requests: list, raise_errors: bool) -> None:
         raise failure
 
 
-def _settle(group: _Group, raise_errors: bool) -> None:
+def _settle(group: SubGroup, raise_errors: bool) -> None:
     """Finish a group's transfers in flight, then give its buffers back to the pool."""
     try:
-        _wait_all(group.requests, raise_errors)
+        wait_all(group.requests, raise_errors)
     finally:
         group.requests = []
         for buffer in group.buffers.values():
