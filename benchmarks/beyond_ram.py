@@ -171,7 +171,7 @@ def run_zinf_activations(args, batch: int) -> dict:
     """Full-batch training with parameters, optimizer states and every saved activation on NVMe."""
     import zinf_compiler as zinf
     from zinf_compiler.gpt import GPT, synthetic_batches
-    from zinf_compiler.runtime.activations import ACTIVATIONS
+    from zinf_compiler.runtime.process import RUNTIME
 
     cfg = act_config(args)
     torch.manual_seed(0)
@@ -200,8 +200,8 @@ def run_zinf_activations(args, batch: int) -> dict:
               f"{forward_done - started:.1f}, backward {backward_done - forward_done:.1f}, optimizer "
               f"{done - backward_done:.1f}); saved activations on nvme {gib(saved['nvme'])}, on the device "
               f"{gib(saved['device'])}; peak RSS {gib(peak_rss_bytes())}", flush=True)
-    engines = ACTIVATIONS.engines()
-    return {"steps": steps, "peak_rss": peak_rss_bytes(), "staging_pool": ACTIVATIONS.pool_bytes,
+    engines = RUNTIME.activations.engines()
+    return {"steps": steps, "peak_rss": peak_rss_bytes(), "staging_pool": RUNTIME.activations.pool_bytes,
             "activation_bytes_written": sum(e.bytes_written for e in engines),
             "activation_bytes_read": sum(e.bytes_read for e in engines), "options": options}
 
@@ -242,7 +242,7 @@ def activations_main(args) -> None:
 def run_zinf(args) -> dict:
     import zinf_compiler as zinf
     from zinf_compiler.gpt import GPT, synthetic_batches
-    from zinf_compiler.runtime.store import STORE
+    from zinf_compiler.runtime.process import RUNTIME
 
     cfg = config(args, args.n_layer)
     options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme_path,
@@ -285,7 +285,7 @@ def run_zinf(args) -> dict:
               flush=True)
     # Read before zero_grad would delete the gradient files: one more backward, then report.
     report = zinf.memory_report(model)
-    engines = STORE.engines()
+    engines = RUNTIME.store.engines()
     on_disk = sum(engine.bytes_on_disk() for engine in engines)
     return {"params": params, "build_seconds": build_seconds, "steps": steps, "peak_rss": peak_rss_bytes(),
             "swap_bytes_on_disk": on_disk, "bytes_read": sum(e.bytes_read for e in engines),

@@ -274,13 +274,12 @@ def _print_limit_model(configs, comparable) -> None:
 
 def _zinf_io_counters() -> dict[str, int]:
     """Bytes this rank's zinf moved so far: swap reads and writes, collectives (for the limit model)."""
-    from zinf_compiler.runtime.comm import COMM
-    from zinf_compiler.runtime.store import STORE
+    from zinf_compiler.runtime.process import RUNTIME
 
-    engines = STORE.engines()
+    engines = RUNTIME.store.engines()
     return {"disk_read": sum(engine.bytes_read for engine in engines),
             "disk_written": sum(engine.bytes_written for engine in engines),
-            "collective": sum(COMM.traffic_bytes.values())}
+            "collective": sum(RUNTIME.comm.traffic_bytes.values())}
 
 
 def _zinf_rates() -> dict[str, float | None]:

@@ -45,7 +45,7 @@ def child(spec: dict) -> None:
     import zinf_compiler as zinf
     from zinf_compiler.gpt import Block, GPTConfig
     from zinf_compiler.runtime.ledger import ZinfBudgetError
-    from zinf_compiler.runtime.store import STORE
+    from zinf_compiler.runtime.process import RUNTIME
 
     torch.manual_seed(0)
     hidden = spec["hidden"]
@@ -71,10 +71,10 @@ def child(spec: dict) -> None:
         if not isinstance(err.inner_exception, ZinfBudgetError):
             raise
         result.update(ok=False, error=str(err.inner_exception).split(";")[0])
-    result["peak_device_bytes"] = STORE.peak_transient["device"]
-    result["within_budget"] = STORE.peak_transient["device"] <= spec["limit"]
+    result["peak_device_bytes"] = RUNTIME.store.peak_transient["device"]
+    result["within_budget"] = RUNTIME.store.peak_transient["device"] <= spec["limit"]
     result["ok"] = result["ok"] and result["within_budget"]
-    result["tiles"] = {record.name: len(record.tile_rows) for record in STORE.records() if record.tile_rows}
+    result["tiles"] = {record.name: len(record.tile_rows) for record in RUNTIME.store.records() if record.tile_rows}
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(result))
 

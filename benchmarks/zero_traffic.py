@@ -18,7 +18,7 @@ weights, same per-rank batches, AdamW lr 1e-3) in the same run:
 
 Traffic, two independent counts on rank 0 per measured step:
 
-* zinf's own counters (``COMM.traffic_bytes``, ``runtime/comm.py``): each
+* zinf's own counters (``RUNTIME.comm.traffic_bytes``, ``runtime/comm.py``): each
   collective counts the full tensor it moves (all-gather: its output,
   reduce-scatter: its input, all-reduce: twice its size, broadcast and reduce:
   its size), the unit of ZeRO's theory: stages 1/2 move 2P (reduce-scatter of
@@ -145,8 +145,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     _install_wire_counters()
     import zinf_compiler as zinf
     from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-    from zinf_compiler.runtime.comm import COMM
-    from zinf_compiler.runtime.store import STORE
+    from zinf_compiler.runtime.process import RUNTIME
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -156,7 +155,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     # the store's entry points on this process's instance; zinf is unchanged).
     uid_gathers: collections.Counter = collections.Counter()
     uid_reduces: collections.Counter = collections.Counter()
-    store_gather, store_reduce = STORE.gather_start, STORE.reduce_grad_start
+    store_gather, store_reduce = RUNTIME.store.gather_start, RUNTIME.store.reduce_grad_start
 
     def counted_gather(unit, *a, **k):
         for piece in unit.pieces:
@@ -168,7 +167,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
             uid_reduces[piece.layout.uid] += 1
         return store_reduce(unit, *a, **k)
 
-    STORE.gather_start, STORE.reduce_grad_start = counted_gather, counted_reduce
+    RUNTIME.store.gather_start, RUNTIME.store.reduce_grad_start = counted_gather, counted_reduce
 
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, frozen_scale=args.frozen_scale)
@@ -243,7 +242,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
         for name, variant in variants.items():
             record = stats[name]
             for idx, targets in batches[: args.steps]:
-                COMM.reset_traffic()
+                RUNTIME.comm.reset_traffic()
                 WIRE_BYTES.clear()
                 WIRE_CALLS.clear()
                 uid_gathers.clear()
@@ -251,8 +250,8 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
                 seconds, loss = one_step(variant, idx, targets)
                 record["times"].append(seconds)
                 record["losses"].append(loss)
-                record["comm"].append(dict(COMM.traffic_bytes))
-                record["comm_calls"].update(COMM.calls)
+                record["comm"].append(dict(RUNTIME.comm.traffic_bytes))
+                record["comm_calls"].update(RUNTIME.comm.calls)
                 record["wire"].append(dict(WIRE_BYTES))
                 record["wire_calls"].update(WIRE_CALLS)
                 record["gathers"].update(uid_gathers)
@@ -275,7 +274,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
         if variant["options"] is not None:
             per_param = {}
             for pname, param in variant["module"].named_parameters():
-                store_record = STORE.lookup(param)
+                store_record = RUNTIME.store.lookup(param)
                 if store_record is None:
                     continue
                 per_param[pname] = {
@@ -407,9 +406,9 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
         control = {kind: sum(step.get(kind, 0) for step in entry[source]) / len(entry[source])
                    for kind in CONTROL_KINDS} if options is not None else {}
         if options is not None and abs(wire_total - total - sum(control.values())) > 0.5:
-            problems.append(f"{name}: zinf's COMM counted {_fmt(total)} bytes per step (and {control} of control "
+            problems.append(f"{name}: zinf's RUNTIME.comm counted {_fmt(total)} bytes per step (and {control} of control "
                             f"traffic) but the torch.distributed calls moved {_fmt(wire_total)} (wire: {wire}; "
-                            f"COMM: {per_kind})")
+                            f"RUNTIME.comm: {per_kind})")
         if any(control.values()):
             notes.append(f"{name}: control traffic per step besides ZeRO's (on the wire, not in theory): "
                          + ", ".join(f"{kind} {_fmt(nbytes)} bytes" for kind, nbytes in control.items()))
@@ -424,7 +423,7 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
                          f"{_fmt(total)} measured")
 
     print("\nBytes count the full tensor each collective moves (all-gather: output, reduce-scatter: input, "
-          "all-reduce: 2x size, broadcast/reduce: size). 'total' is zinf's COMM counter; 'wire' counts the same "
+          "all-reduce: 2x size, broadcast/reduce: size). 'total' is zinf's RUNTIME.comm counter; 'wire' counts the same "
           "rule at the torch.distributed calls (independent check for zinf; the only count for FSDP2/DDP). "
           "Theory: stage 0 / DDP 2P (all-reduce), stage 1/2 2P, stage 3 / FSDP2 3P.")
     print("\nNotes (measured = theory + padding - frozen gradients not reduced - stage-3 parameters backward "
@@ -437,7 +436,7 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
             print(f"- {problem}")
     else:
         print("- every measured step moved the same bytes, every rank counted the same, "
-              "and zinf's COMM counters equal the bytes handed to torch.distributed")
+              "and zinf's RUNTIME.comm counters equal the bytes handed to torch.distributed")
 
     _print_losses_and_step_times(head)
 

@@ -41,7 +41,7 @@ tier, the wait hands the reduced gradient to asynchronous swap writes, which
 then overlap the ops after it).
 
 Caps.  Simulating the runtime's accounting on the final order (cg staging +
-gathered buffers + reduce staging, the device bytes ``STORE`` counts as
+gathered buffers + reduce staging, the device bytes ``RUNTIME.store`` counts as
 transient), no point may exceed ``max_live_bytes`` (``ctx.captured.live_bytes_cap``:
 the option, or the backend's auto value); pinned bytes of nc reads in flight
 may not exceed ``ctx.captured.pinned_capacity`` (a prefetch waiting for a

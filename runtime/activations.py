@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from .aio import ALIGNMENT, AioEngine
-from .copy_engine import COPIER
+from .copy_engine import CopyEngine
 from .pinned import PinnedPool
-from .store import STORE
+from .ledger import Ledger
 
 # The NVMe tier stages through one pinned pool, sized 4x the largest value
 # offloaded so far within these bounds.  A value moves in pieces of at most a
@@ -108,8 +108,44 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
+class _SavedOnDevice:
+    """Device bytes one call's autograd node saves, counted until its backward ran or the node died."""
+
+    __slots__ = ("process", "ledger", "nbytes", "__weakref__")
+
+    def __init__(self, process: Ledger, ledger, nbytes: int):
+        self.process = process
+        self.ledger = ledger
+        self.nbytes = nbytes
+        self.process.add_activations("device", nbytes)
+        if ledger is not None:
+            ledger.root().add_activations("device", nbytes)
+
+    def release(self, *_ignored) -> None:
+        if self.nbytes:
+            self.process.add_activations("device", -self.nbytes)
+            if self.ledger is not None:
+                self.ledger.root().add_activations("device", -self.nbytes)
+            self.nbytes = 0
+
+    def __del__(self) -> None:
+        self.release()
+
+
+
+_SAVED_KEY = "zinf_saved_activations"
+
+
 class ActivationStore:
-    def __init__(self) -> None:
+    """The process's offloaded activations (one per process: ``RUNTIME.activations``).
+
+    ``process``: the process-wide ledger its pinned pool and held bytes are
+    counted in; ``copier``: the copy engine its device <-> host copies run on.
+    """
+
+    def __init__(self, process: Ledger, copier: CopyEngine) -> None:
+        self.process = process
+        self.copier = copier
         self._entries: dict[int, _Entry] = {}
         self._by_address: dict[int, int] = {}  # a live handle's storage address -> its entry id
         self._ids = itertools.count(1)
@@ -151,7 +187,7 @@ class ActivationStore:
             if self._pool is not None and self._pool.buffers_in_use:
                 raise ZinfActivationError("the activation staging pool is in use (a fetch or copy in flight)")
             if self._pool is not None:
-                STORE.process.add_resting("cpu", -self._pool.capacity_bytes)
+                self.process.add_resting("cpu", -self._pool.capacity_bytes)
                 self._pool.close()
                 self._pool = None
             self.min_pool_bytes, self.max_pool_bytes = min_bytes, max_bytes
@@ -162,10 +198,10 @@ class ActivationStore:
         if self._pool is not None and (self._pool.capacity_bytes >= wanted or self._pool.buffers_in_use):
             return  # big enough, or busy: pieces fit any pool
         if self._pool is not None:
-            STORE.process.add_resting("cpu", -self._pool.capacity_bytes)
+            self.process.add_resting("cpu", -self._pool.capacity_bytes)
             self._pool.close()
         self._pool = PinnedPool(wanted)
-        STORE.process.add_resting("cpu", self._pool.capacity_bytes)
+        self.process.add_resting("cpu", self._pool.capacity_bytes)
 
     def _piece_bytes(self) -> int:
         return max(ALIGNMENT, self._pool.capacity_bytes // 4 // ALIGNMENT * ALIGNMENT)
@@ -211,7 +247,7 @@ class ActivationStore:
             flat = _memory_order(tensor)
             if tier == "cpu":
                 entry.host = torch.empty(entry.shape, dtype=entry.dtype, pin_memory=tensor.is_cuda)
-                entry.copy = COPIER.copy(entry.host, tensor, "activations", f"offload {name}")
+                entry.copy = self.copier.copy(entry.host, tensor, "activations", f"offload {name}")
             else:
                 entry.engine = self._engine(nvme_path)
                 if flat is None:
@@ -236,7 +272,7 @@ class ActivationStore:
                 return
             target = piece.staging.tensor(torch.uint8, piece.nbytes)
             source = entry.source[piece.offset: piece.offset + piece.nbytes]
-            piece.copy = COPIER.copy(target, source, "activations", f"offload {entry.name}")
+            piece.copy = self.copier.copy(target, source, "activations", f"offload {entry.name}")
             self._copies.append(piece)
             if block:
                 return
@@ -308,7 +344,7 @@ class ActivationStore:
             self.offload_wait(handle)
         out = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=entry.device)
         if entry.tier == "cpu":
-            entry.fetch = (out, None, COPIER.copy(out, entry.host, "activations", f"fetch {entry.name}"))
+            entry.fetch = (out, None, self.copier.copy(out, entry.host, "activations", f"fetch {entry.name}"))
             return
         flat = _memory_order(out)
         if flat is None:  # a view with gaps: assembled contiguous, then copied into ``out``
@@ -351,7 +387,7 @@ class ActivationStore:
             piece.fetched = True
             source = piece.staging.tensor(torch.uint8, piece.nbytes)
             # The staging buffer is reused once released: wait for the copy on the host.
-            COPIER.copy(flat[piece.offset: piece.offset + piece.nbytes], source, "activations",
+            self.copier.copy(flat[piece.offset: piece.offset + piece.nbytes], source, "activations",
                         f"fetch {entry.name}").synchronize()
             piece.staging.release()
             piece.staging = None
@@ -430,69 +466,39 @@ class ActivationStore:
         delta = sign * entry.nbytes
         self.held[entry.tier] += delta
         self.peak_held[entry.tier] = max(self.peak_held[entry.tier], self.held[entry.tier])
-        STORE.process.add_activations(entry.tier, delta)
+        self.process.add_activations(entry.tier, delta)
         if entry.ledger is not None:
             entry.ledger.root().add_activations(entry.tier, delta)
 
     def live_entries(self) -> int:
         return len(self._entries)
 
+    def count_saved(self, nodes: list, inputs: list, ledger) -> int:
+        """Count on ``ledger`` the device bytes the autograd ``nodes`` of one call saved (inputs and handles aside).
 
-ACTIVATIONS = ActivationStore()
-
-
-class _SavedOnDevice:
-    """Device bytes one call's autograd node saves, counted until its backward ran or the node died."""
-
-    __slots__ = ("ledger", "nbytes", "__weakref__")
-
-    def __init__(self, ledger, nbytes: int):
-        self.ledger = ledger
-        self.nbytes = nbytes
-        STORE.process.add_activations("device", nbytes)
-        if ledger is not None:
-            ledger.root().add_activations("device", nbytes)
-
-    def release(self, *_ignored) -> None:
-        if self.nbytes:
-            STORE.process.add_activations("device", -self.nbytes)
-            if self.ledger is not None:
-                self.ledger.root().add_activations("device", -self.nbytes)
-            self.nbytes = 0
-
-    def __del__(self) -> None:
-        self.release()
-
-
-_SAVED_KEY = "zinf_saved_activations"
-
-
-def count_saved(nodes: list, inputs: list, ledger) -> int:
-    """Count on ``ledger`` the device bytes the autograd ``nodes`` of one call saved (inputs and handles aside).
-
-    Returns the bytes counted.  The count ends when the node's backward has
-    run (its saved tensors are freed then) or when the node is freed.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-    total = 0
-    for node in nodes:
-        if _SAVED_KEY in node.metadata:
-            continue
-        try:
-            saved = node.saved_tensors
-        except RuntimeError:
-            continue  # already freed, or not unpackable here
-        storages = {}
-        for tensor in saved:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        Returns the bytes counted.  The count ends when the node's backward has
+        run (its saved tensors are freed then) or when the node is freed.
+        """
+        skip = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        total = 0
+        for node in nodes:
+            if _SAVED_KEY in node.metadata:
                 continue
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in skip or storage.data_ptr() == 0 or ACTIVATIONS.is_handle(tensor):
-                continue  # parameters, user inputs, storage-less parameters, handles of offloaded values
-            storages[storage.data_ptr()] = storage.nbytes()
-        nbytes = sum(storages.values())
-        counter = _SavedOnDevice(ledger, nbytes)
-        node.metadata[_SAVED_KEY] = counter
-        node.register_hook(counter.release)
-        total += nbytes
-    return total
+            try:
+                saved = node.saved_tensors
+            except RuntimeError:
+                continue  # already freed, or not unpackable here
+            storages = {}
+            for tensor in saved:
+                if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                    continue
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in skip or storage.data_ptr() == 0 or self.is_handle(tensor):
+                    continue  # parameters, user inputs, storage-less parameters, handles of offloaded values
+                storages[storage.data_ptr()] = storage.nbytes()
+            nbytes = sum(storages.values())
+            counter = _SavedOnDevice(self.process, ledger, nbytes)
+            node.metadata[_SAVED_KEY] = counter
+            node.register_hook(counter.release)
+            total += nbytes
+        return total

@@ -18,8 +18,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .copy_engine import COPIER
-from .trace import TRACER, now
+from .copy_engine import CopyEngine
+from .trace import Tracer, now
 
 
 class _DoneWork:
@@ -40,23 +40,24 @@ class _TracedWork:
     own) with :class:`ZinfCollectiveTimeout` naming ``what``.
     """
 
-    def __init__(self, work, track: str, nbytes: int, what: str = "", timeout: float | None = None,
+    def __init__(self, tracer: Tracer, work, track: str, nbytes: int, what: str = "", timeout: float | None = None,
                  world_size: int = 0):
+        self._tracer = tracer
         self._work = work
         self._world_size = world_size
         self._track = track
         self._what = what or track
         self._timeout = timeout
-        if TRACER.recording:
+        if tracer.recording:
             started = now()
             try:
                 work.get_future().add_done_callback(
-                    lambda _: TRACER.interval(track, track, started, now(), nbytes))
+                    lambda _: tracer.interval(track, track, started, now(), nbytes))
             except (AttributeError, RuntimeError):  # a backend without futures: no interval
                 pass
 
     def wait(self) -> bool:
-        with TRACER.stall(f"wait {self._track}"):
+        with self._tracer.stall(f"wait {self._track}"):
             if self._timeout is None:
                 return self._work.wait()
             try:
@@ -75,15 +76,21 @@ class _TracedWork:
 class Comm:
     """Collectives over one process group: ``group`` (None: the default group).
 
-    Subgroups (:meth:`subgroup`) share the process's traffic counters and
-    default timeout with the default group's Comm: the counters say what this
-    process sent, whatever the group.  Ranks (``rank``, ``src``, ``dst``) are
+    Subgroups (:meth:`subgroup`) share the process's traffic counters,
+    default timeout, copy engine and tracer with the default group's Comm
+    (``RUNTIME.comm``): the counters say what this process sent, whatever the
+    group.  World size 1 copies with ``copier``; waits are stalls on ``tracer``.  Ranks (``rank``, ``src``, ``dst``) are
     ranks within the group.
     """
 
-    def __init__(self, group=None, parent: "Comm | None" = None) -> None:
+    def __init__(self, group=None, parent: "Comm | None" = None, *, copier: CopyEngine | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.group = group
         self._parent = parent
+        self.copier = parent.copier if parent else copier
+        self.tracer = parent.tracer if parent else tracer
+        if self.copier is None or self.tracer is None:
+            raise TypeError("a Comm of the default group needs its process's copier and tracer")
         self.traffic_bytes: collections.Counter = parent.traffic_bytes if parent else collections.Counter()
         self.calls: collections.Counter = parent.calls if parent else collections.Counter()
         # Seconds a collective may wait for the other ranks when its caller names no timeout (option
@@ -99,7 +106,7 @@ class Comm:
     @timeout.setter
     def timeout(self, seconds: float | None) -> None:
         if self._parent:
-            raise AttributeError("a subgroup's default timeout is its process's (set it on COMM)")
+            raise AttributeError("a subgroup's default timeout is its process's (set it on RUNTIME.comm)")
         self._timeout = seconds
 
     def subgroup(self, group) -> "Comm":
@@ -118,8 +125,9 @@ class Comm:
         # NCCL waits are stream orderings with the process group's own watchdog timeout; a
         # host-side timeout would block the host, so only gloo waits are bounded here.
         if dist.get_backend(self.group) == "nccl":
-            return _TracedWork(work, track, nbytes, what, None, self.world_size)
-        return _TracedWork(work, track, nbytes, what, self.timeout if timeout is None else timeout, self.world_size)
+            return _TracedWork(self.tracer, work, track, nbytes, what, None, self.world_size)
+        return _TracedWork(self.tracer, work, track, nbytes, what, self.timeout if timeout is None else timeout,
+                           self.world_size)
 
     @property
     def initialized(self) -> bool:
@@ -151,7 +159,7 @@ class Comm:
         nbytes = output.numel() * output.element_size()
         self._count("all_gather", nbytes)
         if self.world_size == 1:
-            return COPIER.copy(output, shard, "gg", "gather (local copy)")
+            return self.copier.copy(output, shard, "gg", "gather (local copy)")
         return self._work(dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True), "gg", nbytes,
                           what, timeout)
 
@@ -161,7 +169,7 @@ class Comm:
         nbytes = full.numel() * full.element_size()
         self._count("reduce_scatter", nbytes)
         if self.world_size == 1:
-            return COPIER.copy(output, full, "rs", "reduce (local copy)")
+            return self.copier.copy(output, full, "rs", "reduce (local copy)")
         return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=self.group,
                                                                   async_op=True), "rs", nbytes,
                           what, timeout)
@@ -312,5 +320,3 @@ class MeshComm:
     def __deepcopy__(self, memo) -> "MeshComm":
         return self  # process groups are not copied (dataclasses.asdict deep-copies option values)
 
-
-COMM = Comm()

@@ -1,6 +1,6 @@
 """Asynchronous copies for the fetch pipeline: a worker thread on CPU, a side stream on CUDA.
 
-``COPIER.copy(target, source, track, name)`` starts ``target.copy_(source)``
+``CopyEngine.copy(target, source, track, name)`` (the process's: ``RUNTIME.copier``) starts ``target.copy_(source)``
 and returns a :class:`CopyWork`.  Both tensors must stay untouched (and alive:
 the caller holds them) until the work is waited on.
 
@@ -23,14 +23,15 @@ import threading
 
 import torch
 
-from .trace import TRACER, now
+from .trace import Tracer, now
 
 
 class CopyWork:
     """A copy in flight: ``wait()`` orders later compute after it; ``synchronize()`` blocks the host."""
 
-    def __init__(self, future: concurrent.futures.Future | None = None, event=None, tensors: tuple = (),
-                 device: torch.device | None = None):
+    def __init__(self, tracer: Tracer, future: concurrent.futures.Future | None = None, event=None,
+                 tensors: tuple = (), device: torch.device | None = None):
+        self._tracer = tracer  # a host wait on the copy is a stall on its timeline
         self._future = future
         self._event = event
         self._device = device  # CUDA: the device whose current stream must wait (not the process's current one)
@@ -48,12 +49,12 @@ class CopyWork:
     def synchronize(self) -> None:
         if self._event is not None:
             if not self._event.query():
-                with TRACER.stall("wait copy"):
+                with self._tracer.stall("wait copy"):
                     self._event.synchronize()
             return
         if self._future is not None:
             if not self._future.done():
-                with TRACER.stall("wait copy"):
+                with self._tracer.stall("wait copy"):
                     self._future.result()
             else:
                 self._future.result()  # re-raises a failed copy
@@ -65,7 +66,10 @@ class CopyWork:
 
 
 class CopyEngine:
-    def __init__(self) -> None:
+    """The process's asynchronous copies (one per process: ``RUNTIME.copier``), drawn on ``tracer``'s timeline."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
@@ -90,8 +94,8 @@ class CopyEngine:
                 event = torch.cuda.Event()
                 event.record(stream)
             # Host-side interval (submission to now): a GPU timeline is in the profiler, not here.
-            TRACER.interval(track, name, submitted, now(), nbytes)
-            return CopyWork(event=event, tensors=(target, source), device=device)
+            self.tracer.interval(track, name, submitted, now(), nbytes)
+            return CopyWork(self.tracer, event=event, tensors=(target, source), device=device)
 
         # The worker thread has its own grad and inference modes: copy under the
         # caller's inference mode, where ``target`` may be an inference tensor.
@@ -101,9 +105,7 @@ class CopyEngine:
             started = now()
             with torch.inference_mode(inference):
                 target.copy_(source)
-            TRACER.interval(track, name, started, now(), nbytes)
+            self.tracer.interval(track, name, started, now(), nbytes)
 
-        return CopyWork(future=self._worker().submit(run))
+        return CopyWork(self.tracer, future=self._worker().submit(run))
 
-
-COPIER = CopyEngine()

@@ -50,10 +50,10 @@ import torch
 
 from .nvme_adam import STATE_NAMES, SubGroup, adam_kernel, state_key, sub_groups, wait_all
 from .pinned import PinnedPool
+from .records import POOL_WAIT_SECONDS
 
 # Sub-groups read ahead per parameter: one computing while the next is read.
 READ_AHEAD = 2
-POOL_WAIT_SECONDS = 120.0
 
 
 @dataclasses.dataclass(eq=False)

@@ -38,7 +38,7 @@ def state_key(name: str, uid: int, index: int) -> str:
 def write_initial_master(store, record, local_fp32: torch.Tensor) -> None:
     """At adoption: the fp32 master slice to its swap files, group by group."""
     for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-        store._write_swap(record.swap, state_key("master", record.uid, index), local_fp32[start:stop])
+        store.write_swap(record.swap, state_key("master", record.uid, index), local_fp32[start:stop])
 
 
 def adam_kernel(decoupled: bool, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -81,7 +81,7 @@ class NvmeAdam:
 
     def _start_reads(self, group: SubGroup, first_step: bool) -> None:
         nbytes = group.numel * 4
-        pool, engine = self.store._pool(4 * nbytes), group.record.swap
+        pool, engine = self.store.pinned_pool(4 * nbytes), group.record.swap
         for name in STATE_NAMES + ("grad",):
             if name == "grad" and group.record.grad_in_ram:
                 continue  # read in place from the gradient shard in memory
@@ -181,7 +181,7 @@ class NvmeAdam:
         """
         updated, self._shards_updated = self._shards_updated, []
         for record, group in updated:
-            master = self.store._read_swap(record.swap, state_key("master", record.uid, group.index), torch.float32,
+            master = self.store.read_swap(record.swap, state_key("master", record.uid, group.index), torch.float32,
                                            group.numel, torch.device("cpu"))
             record.shard[group.start : group.stop].copy_(master)
 
@@ -194,7 +194,7 @@ class NvmeAdam:
             record.shard[group.start : group.stop].copy_(master)
             return
         if record.uid not in param_staging:
-            param_staging[record.uid] = self.store._pool(record.shard_bytes).acquire(
+            param_staging[record.uid] = self.store.pinned_pool(record.shard_bytes).acquire(
                 record.shard_bytes, timeout=self.store_wait_seconds)
         staged = param_staging[record.uid].tensor(record.compute_dtype, record.local_numel)
         staged[group.start : group.stop].copy_(master)

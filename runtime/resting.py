@@ -146,9 +146,9 @@ def _first_resting(args, kwargs):
 
 
 def _name(param) -> str:
-    from .store import STORE
+    from .process import RUNTIME
 
-    record = STORE.lookup(param)
+    record = RUNTIME.store.lookup(param)
     return record.name if record is not None else "a parameter"
 
 
@@ -179,9 +179,9 @@ def _refuse(func, param) -> None:
 
 
 def _assign(param, value):
-    from .store import STORE
+    from .process import RUNTIME
 
-    record = STORE.lookup(param)
+    record = RUNTIME.store.lookup(param)
     if record is None:
         _refuse(torch.Tensor.copy_, param)
     if torch.is_grad_enabled() and param.requires_grad:
@@ -190,7 +190,7 @@ def _assign(param, value):
             f"(model.load_state_dict does)")
     if _is_whole_alias_of(value, record):
         return param  # in eager this alias holds the parameter's current value: copying it changes nothing
-    STORE.assign_full(record, value)
+    RUNTIME.store.assign_full(record, value)
     return param
 
 
@@ -223,7 +223,7 @@ def guard_aliases(params) -> set[int]:
             owners[storage._cdata] = {"param": param, "uid": uid, "name": name, "others": others, "found": []}
     if not owners:
         return set()
-    from .store import STORE
+    from .process import RUNTIME
 
     with DisableTorchFunctionSubclass():
         for value in gc.get_objects():
@@ -235,7 +235,7 @@ def guard_aliases(params) -> set[int]:
                 continue  # no storage (a wrapper subclass, a sparse tensor)
             if owner is None or value is owner["param"]:
                 continue
-            if isinstance(value, torch.nn.Parameter) and STORE.lookup(value) is not None:
+            if isinstance(value, torch.nn.Parameter) and RUNTIME.store.lookup(value) is not None:
                 continue  # another adopted parameter on this storage: the storage stays whole for it
             if type(value) is torch.Tensor:
                 value.__class__ = RestingAlias

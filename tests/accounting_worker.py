@@ -22,7 +22,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime.host_memory import trim
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -50,12 +50,12 @@ def main() -> None:
     def measure(name: str, action) -> None:
         trim()  # start from a heap holding no free pages (the optimizer step trims at its end)
         before_report, before_rss = zinf.memory_report(model), rss()
-        before_disk = sum(e.bytes_on_disk() for e in STORE.engines())
+        before_disk = sum(e.bytes_on_disk() for e in RUNTIME.store.engines())
         action()
-        STORE.finish_grad_writes()  # the report counts gradients being written as on disk already
+        RUNTIME.store.finish_grad_writes()  # the report counts gradients being written as on disk already
         trim()  # free pages glibc kept from the action's temporaries are not held by anyone
         after_report, after_rss = zinf.memory_report(model), rss()
-        after_disk = sum(e.bytes_on_disk() for e in STORE.engines())
+        after_disk = sum(e.bytes_on_disk() for e in RUNTIME.store.engines())
         result[name] = {
             "report_cpu": tier_total(after_report, "cpu") - tier_total(before_report, "cpu")
             + after_report["buffers"]["cpu"] - before_report["buffers"]["cpu"],

@@ -17,7 +17,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime.host_memory import trim
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -49,13 +49,13 @@ def main() -> None:
         del model, compiled, opt, report
         torch._dynamo.reset()
         gc.collect()
-        STORE.collect()  # what every zinf entry point does first
+        RUNTIME.store.collect()  # what every zinf entry point does first
         trim()
-        swap_files = sum(len(os.listdir(engine.folder)) for engine in STORE.engines())
+        swap_files = sum(len(os.listdir(engine.folder)) for engine in RUNTIME.store.engines())
         result.append({
-            "records": len(STORE.records()), "resting": dict(STORE.resting), "transient": dict(STORE.transient),
-            "pinned_pool": STORE.pinned.capacity_bytes if STORE.pinned is not None else 0,
-            "swap_bytes": sum(engine.bytes_on_disk() for engine in STORE.engines()), "swap_files": swap_files,
+            "records": len(RUNTIME.store.records()), "resting": dict(RUNTIME.store.resting), "transient": dict(RUNTIME.store.transient),
+            "pinned_pool": RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0,
+            "swap_bytes": sum(engine.bytes_on_disk() for engine in RUNTIME.store.engines()), "swap_files": swap_files,
             "rss": rss(), "state_bytes": state_bytes})
     print(json.dumps(result))
 

@@ -10,7 +10,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.options import ZinfOptionError, parse_options
-from zinf_compiler.runtime.activations import ACTIVATIONS
+from zinf_compiler.runtime.process import RUNTIME
 
 from equivalence import compare_training
 from multirank import run_ranks
@@ -146,7 +146,7 @@ def test_memory_report_counts_activations_per_tier(tmp_path):
     assert to_nvme["device"]["activations"] == to_cpu["device"]["activations"]
     for report in (plain_after, cpu_after, nvme_after):
         assert all(report[tier]["activations"] == 0 for tier in ("device", "cpu", "nvme")), report
-    assert ACTIVATIONS.live_entries() == 0
+    assert RUNTIME.activations.live_entries() == 0
 
 
 def test_offloaded_activations_of_a_dropped_graph_are_freed(tmp_path):
@@ -160,20 +160,20 @@ def test_offloaded_activations_of_a_dropped_graph_are_freed(tmp_path):
         "activation_offload_min_bytes": 0})
     idx, targets = synthetic_batches(cfg, 4, 1)[0]
     loss = compiled(idx, targets)
-    assert ACTIVATIONS.live_entries() > 0 and ACTIVATIONS.held["nvme"] > 0
+    assert RUNTIME.activations.live_entries() > 0 and RUNTIME.activations.held["nvme"] > 0
     del loss
     gc.collect()
-    assert ACTIVATIONS.live_entries() == 0 and ACTIVATIONS.held["nvme"] == 0
+    assert RUNTIME.activations.live_entries() == 0 and RUNTIME.activations.held["nvme"] == 0
     loss = compiled(idx, targets)
     loss.backward(retain_graph=True)
     first = [p.clone() for p in zinf.full_state_dict(compiled).values()]
-    assert ACTIVATIONS.live_entries() > 0  # retained for the second backward
+    assert RUNTIME.activations.live_entries() > 0  # retained for the second backward
     loss.backward()
     del loss
     gc.collect()
-    ACTIVATIONS.finish()
-    assert ACTIVATIONS.live_entries() == 0 and ACTIVATIONS.held == {"cpu": 0, "nvme": 0}
-    assert all(engine.bytes_on_disk() == 0 for engine in ACTIVATIONS.engines())
+    RUNTIME.activations.finish()
+    assert RUNTIME.activations.live_entries() == 0 and RUNTIME.activations.held == {"cpu": 0, "nvme": 0}
+    assert all(engine.bytes_on_disk() == 0 for engine in RUNTIME.activations.engines())
     assert len(first) > 0
 
 
@@ -191,8 +191,8 @@ def test_activation_options_parse():
 def test_nvme_activations_larger_than_the_staging_pool_stream_in_pieces(tmp_path):
     """A saved value larger than the staging pool moves in pieces (one swap key each) through a pool that
     never grows past its bound, and training equals eager; swap files and staging are all freed after."""
-    ACTIVATIONS.set_staging_bounds(64 << 10, 64 << 10)  # 16 KiB pieces; the logits here are 128 KiB
-    written_before = sum(engine.bytes_written for engine in ACTIVATIONS.engines())
+    RUNTIME.activations.set_staging_bounds(64 << 10, 64 << 10)  # 16 KiB pieces; the logits here are 128 KiB
+    written_before = sum(engine.bytes_written for engine in RUNTIME.activations.engines())
     try:
         options = {"stage": 3, "lower": "eager", "offload_activations": "nvme", "nvme_path": str(tmp_path),
                    "activation_offload_min_bytes": 0, "dump_dir": str(tmp_path / "dumps")}
@@ -202,13 +202,13 @@ def test_nvme_activations_larger_than_the_staging_pool_stream_in_pieces(tmp_path
         saved = json.loads(_graph_folder(tmp_path / "dumps").joinpath("forward.activations.json").read_text())
         activations = [row for row in saved["saved"] if row["kind"] == "activation"]
         assert len(activations) > 10 and all(row["where"] == "nvme" for row in activations), activations
-        assert ACTIVATIONS.pool_bytes == 64 << 10
-        ACTIVATIONS.finish()
-        assert sum(engine.bytes_written for engine in ACTIVATIONS.engines()) > written_before + (1 << 20)
-        assert ACTIVATIONS.live_entries() == 0
-        assert all(engine.bytes_on_disk() == 0 for engine in ACTIVATIONS.engines())
+        assert RUNTIME.activations.pool_bytes == 64 << 10
+        RUNTIME.activations.finish()
+        assert sum(engine.bytes_written for engine in RUNTIME.activations.engines()) > written_before + (1 << 20)
+        assert RUNTIME.activations.live_entries() == 0
+        assert all(engine.bytes_on_disk() == 0 for engine in RUNTIME.activations.engines())
     finally:
-        ACTIVATIONS.set_staging_bounds(64 << 20, 256 << 20)
+        RUNTIME.activations.set_staging_bounds(64 << 20, 256 << 20)
 
 
 def _saved_values(sizes_mib: list[int]) -> list[torch.fx.Node]:

@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from zinf_compiler.runtime import aio as aio_module
+from zinf_compiler.runtime import aio as aio_module, aio_requests, swap_folders
 from zinf_compiler.runtime.aio import AioChecksumError, AioEngine, AioError, validate_folder
 from zinf_compiler.runtime.pinned import PinnedPool
 
@@ -126,7 +126,7 @@ def test_folder_removed_when_the_engine_is_garbage_collected(tmp_path):
 
 def test_o_direct_is_used_on_a_real_disk(tmp_path):
     with AioEngine(str(tmp_path)) as engine:
-        probe_ok = aio_module._probe_direct(engine.folder)
+        probe_ok = swap_folders.probe_direct(engine.folder)
         assert engine.direct == probe_ok
 
 
@@ -292,7 +292,7 @@ def test_checksum_notices_sectors_swapped_within_a_piece():
 
     data = np.random.default_rng(0).integers(0, 2**63, size=2 * 512, dtype=np.uint64)
     swapped = np.concatenate([data[512:], data[:512]])
-    assert aio_module._digest(memoryview(data), 0) != aio_module._digest(memoryview(swapped), 0)
+    assert aio_requests.sector_digest(memoryview(data), 0) != aio_requests.sector_digest(memoryview(swapped), 0)
 
 
 def test_folder_removed_at_interpreter_exit_but_not_by_a_forked_child(tmp_path):

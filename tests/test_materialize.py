@@ -6,7 +6,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime import nvme_adam
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 
 @pytest.fixture
@@ -67,18 +67,18 @@ def test_materialized_model_trains_like_eager(tier, tmp_path, small_sub_groups):
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=1e-5, msg=name)
     if tiled:
-        tiled_names = {name for name, p in model.named_parameters() if STORE.lookup(p).tile_rows}
+        tiled_names = {name for name, p in model.named_parameters() if RUNTIME.store.lookup(p).tile_rows}
         assert tiled_names == {"wte.weight"} | {f"blocks.{i}.{w}.weight" for i in (0, 1)
                                                 for w in ("attn.qkv", "mlp.fc", "mlp.proj")}, tiled_names
     report = zinf.memory_report(model)
     if tiled and tier == "nvme":
         # Each tile of an nvme-tier parameter is its own swap key.
-        record = STORE.lookup(model.blocks[0].mlp.fc.weight)
+        record = RUNTIME.store.lookup(model.blocks[0].mlp.fc.weight)
         assert [key for key, _, _ in record.swap_layout()] == [f"param.{record.uid}.t{t}" for t in range(3)]
     if tier == "nvme":
         # fp32 master and two moments of every trainable parameter; none for the frozen one.  A master
         # that is also the parameter's only copy (params_in_master) counts as parameters.
-        records = [STORE.lookup(p) for p in model.parameters() if p.requires_grad]
+        records = [RUNTIME.store.lookup(p) for p in model.parameters() if p.requires_grad]
         assert any(r.params_in_master for r in records) and (tiled or not all(r.params_in_master for r in records))
         assert report["nvme"]["optimizer"] == sum((2 if r.params_in_master else 3) * 4 * r.local_numel
                                                   for r in records)

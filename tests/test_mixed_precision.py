@@ -10,7 +10,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LOSS_TOLERANCE = 5e-3
@@ -42,7 +42,7 @@ def test_low_precision_trains_like_fp32():
         assert worst <= LOSS_TOLERANCE, (param_dtype, worst)
         # Shards rest in the low-precision dtype: half the bytes of fp32 ...
         numel = sum(p.numel() for p in model.parameters())
-        assert all(STORE.lookup(p).shard.dtype == dtype for p in model.parameters())
+        assert all(RUNTIME.store.lookup(p).shard.dtype == dtype for p in model.parameters())
         assert zinf.memory_report(compiled)["device"]["params"] == 2 * numel
         # ... while the optimizer keeps fp32 masters (counted with its state).
         assert zinf.memory_report(compiled)["device"]["optimizer"] >= 3 * 4 * numel
@@ -55,7 +55,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tier, tmp_path):
                 "overlap_optimizer": True} if tier == "nvme" else {})
     model, compiled, opt, _ = _train("fp16", steps=1, **offload)
     before = zinf.full_state_dict(compiled)
-    scaler = STORE.lookup(next(model.parameters())).ledger.fp16_scaler
+    scaler = RUNTIME.store.lookup(next(model.parameters())).ledger.fp16_scaler
     scaler.scale = 1e30  # any gradient times this is inf in fp16
     idx, targets = synthetic_batches(CFG, 8, 1, seed=1)[0]
     compiled(idx, targets).backward()
@@ -84,11 +84,11 @@ def test_each_model_has_its_own_fp16_loss_scale(tmp_path):
     other_model = GPT(CFG)
     other = torch.compile(other_model, backend="zinf", options={"lower": "eager", "stage": 3, "param_dtype": "fp16"})
     other_opt = zinf.optim.AdamW(other_model.parameters(), lr=3e-3)
-    first_scaler = STORE.lookup(next(first[0].parameters())).ledger.fp16_scaler
+    first_scaler = RUNTIME.store.lookup(next(first[0].parameters())).ledger.fp16_scaler
     idx, targets = synthetic_batches(CFG, 8, 1, seed=2)[0]
     other(idx, targets).backward()  # adopts other's parameters
     other_opt.zero_grad()
-    other_scaler = STORE.lookup(next(other_model.parameters())).ledger.fp16_scaler
+    other_scaler = RUNTIME.store.lookup(next(other_model.parameters())).ledger.fp16_scaler
     assert other_scaler is not first_scaler
     first_scaler.scale = 1e30  # the first model overflows at its next step
     before = zinf.full_state_dict(other)

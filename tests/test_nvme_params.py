@@ -15,7 +15,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime import nvme_adam
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 BATCHES = synthetic_batches(CFG, 4, 4)
@@ -23,7 +23,7 @@ ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
 
 
 def _swap_files(model) -> list[str]:
-    folders = {STORE.lookup(p).swap.folder for p in model.parameters()}
+    folders = {RUNTIME.store.lookup(p).swap.folder for p in model.parameters()}
     return sorted(name for folder in folders for name in os.listdir(folder))
 
 
@@ -60,7 +60,7 @@ def test_fp32_parameters_on_nvme_have_one_copy_on_disk(tmp_path, monkeypatch, co
     if group_numel is not None:  # several optimizer sub-groups (master keys) per parameter, each read in place
         monkeypatch.setattr(nvme_adam.sub_groups, "__defaults__", (group_numel,))
     compiled, opt = _train_side_by_side(tmp_path, nvme_copies=copies)
-    records = [STORE.lookup(p) for p in compiled.parameters()]
+    records = [RUNTIME.store.lookup(p) for p in compiled.parameters()]
     assert all(record.params_in_master for record in records)
     files = _swap_files(compiled)
     assert not [name for name in files if name.startswith("param.")], files
@@ -77,7 +77,7 @@ def test_fp32_parameters_on_nvme_have_one_copy_on_disk(tmp_path, monkeypatch, co
 
 def test_bf16_shards_and_frozen_parameters_keep_their_own_files(tmp_path):
     compiled, _ = _train_side_by_side(tmp_path / "frozen", freeze="wpe.weight")
-    frozen = [STORE.lookup(p) for p in compiled.parameters() if not p.requires_grad]
+    frozen = [RUNTIME.store.lookup(p) for p in compiled.parameters() if not p.requires_grad]
     assert len(frozen) == 1 and not frozen[0].params_in_master
     assert f"param.{frozen[0].uid}.swap" in _swap_files(compiled)
 
@@ -90,7 +90,7 @@ def test_bf16_shards_and_frozen_parameters_keep_their_own_files(tmp_path):
     opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
     compiled(*BATCHES[0]).backward()
     opt.step()
-    records = [STORE.lookup(p) for p in model.parameters()]
+    records = [RUNTIME.store.lookup(p) for p in model.parameters()]
     assert not any(record.params_in_master for record in records)
     files = _swap_files(model)
     assert len([name for name in files if name.startswith("param.")]) == len(records)

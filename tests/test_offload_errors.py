@@ -10,7 +10,7 @@ import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime import aio as aio_module
 from zinf_compiler.runtime.aio import AioChecksumError, AioError
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
 BATCHES = synthetic_batches(CFG, 4, 3)
@@ -44,7 +44,7 @@ def test_bad_nvme_path_fails_before_training_with_nothing_adopted(tmp_path, monk
     assert "nvme_path" in message
     assert ("does not exist" in message) if problem == "missing" else ("needs" in message and "free" in message)
     # Nothing was sharded or released: the model is still whole and usable eagerly.
-    assert all(STORE.lookup(p) is None for p in model.parameters())
+    assert all(RUNTIME.store.lookup(p) is None for p in model.parameters())
     assert torch.isfinite(model(*BATCHES[0]))
 
 
@@ -112,7 +112,7 @@ def test_corrupted_parameter_swap_file_is_an_error(tmp_path):
     model, compiled = _compiled(tmp_path)
     opt = zinf.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, compiled, opt, BATCHES[0])
-    record = STORE.lookup(model.wte.weight)
+    record = RUNTIME.store.lookup(model.wte.weight)
     path = record.swap.path(record.swap_layout()[0][0])  # (an fp32 parameter lives in its master's file)
     with open(path, "r+b") as handle:
         data = bytearray(handle.read())

@@ -18,7 +18,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.dump import read_index
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -33,7 +33,7 @@ def train(tmp_path, steps=1, seq=None, **options):
         os.makedirs(options["nvme_path"], exist_ok=True)
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
-    STORE.reset_peak()
+    RUNTIME.store.reset_peak()
     losses = []
     for idx, targets in synthetic_batches(CFG, 2, steps):
         if seq is not None:
@@ -125,7 +125,7 @@ def test_max_live_bytes_caps_the_table_and_the_runtime(tmp_path):
         assert table["max_live_bytes"] == cap
         check_invariants(table)
     # The runtime's own accounting of gathered and in-flight device bytes agrees.
-    assert 0 < STORE.peak_transient["device"] <= cap
+    assert 0 < RUNTIME.store.peak_transient["device"] <= cap
 
 
 def structure(table: dict) -> tuple:
@@ -163,13 +163,13 @@ def test_schedule_is_deterministic_and_rebuilt_on_recompile(tmp_path):
 def test_inductor_runs_zinf_ops_in_scheduled_order(tmp_path, monkeypatch):
     calls = []
     for method in ("nc_start", "nc_wait", "cg_start", "cg_wait", "gather_start", "gather_wait", "release"):
-        original = getattr(STORE, method)
+        original = getattr(RUNTIME.store, method)
 
         def record(param_record, *args, _method=method, _original=original):
             calls.append((_method, param_record.name))
             return _original(param_record, *args)
 
-        monkeypatch.setattr(STORE, method, record)
+        monkeypatch.setattr(RUNTIME.store, method, record)
     train(tmp_path, lower="inductor", offload_param="nvme")
     (table,) = [t for (_, kind), t in tables(tmp_path).items() if kind == "forward"]
     names = {"nc": ("nc_start", "nc_wait"), "cg": ("cg_start", "cg_wait"), "gg": ("gather_start", "gather_wait")}

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from zinf_compiler.dump import read_index
 from zinf_compiler.options import parse_options
 from zinf_compiler.passes.tile import choose_factor, split_rows, working_set_bytes
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 FORMS = ("linear", "x_wt", "x_w", "w_x", "wt_x")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -68,7 +68,7 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """The gradients zinf reduced into the store (stage 3, world 1: the shard is the whole tensor)."""
     grads = {}
     for name, param in model.named_parameters():
-        record = STORE.lookup(param)
+        record = RUNTIME.store.lookup(param)
         assert record.grad_shard is not None, name
         grads[name] = record.grad_shard[: param.numel()].view(param.shape).to(param.dtype)
     return grads
@@ -124,7 +124,7 @@ def test_tiled_forward_and_backward_equal_untiled(form, rows, cols, bias, batch,
     zinf_grads = grads_of(model)
     for name, param in eager.named_parameters():
         assert close(param.grad, zinf_grads[name], dtype), name
-    record = STORE.lookup(model.weight)
+    record = RUNTIME.store.lookup(model.weight)
     expected_tiles = min(factor, rows) if factor > 1 and rows > 1 else None
     assert (len(record.tile_rows) if record.tile_rows else None) == expected_tiles
     if expected_tiles is not None:
@@ -170,7 +170,7 @@ def test_dump_names_each_tiled_op_its_factor_and_bytes_saved(tmp_path):
 def test_small_matmuls_are_left_alone(tmp_path, form):
     # The weight has 16 * 8 * 4 = 512 bytes: not above a 512-byte threshold.
     model = run_both(form, 16, 8, True, (3,), 2, 4, torch.float32, tmp_dir=tmp_path, threshold=512)[1]
-    assert STORE.lookup(model.weight).tile_rows is None
+    assert RUNTIME.store.lookup(model.weight).tile_rows is None
     (entry,) = read_index(str(tmp_path))["graphs"]
     folder = tmp_path / entry["folder"]
     for kind, stages in entry["graphs"].items():

@@ -78,7 +78,7 @@ def test_tile_factor_8_working_set_is_a_quarter_of_untiled():
     import torch.nn as nn
 
     import zinf_compiler as zinf
-    from zinf_compiler.runtime.store import STORE
+    from zinf_compiler.runtime.process import RUNTIME
 
     peaks = {}
     weight_bytes = 4096 * 256 * 4
@@ -97,6 +97,6 @@ def test_tile_factor_8_working_set_is_a_quarter_of_untiled():
             compiled(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        peaks[factor] = STORE.group(model.parameters()).peak_transient["device"]
+        peaks[factor] = RUNTIME.store.group(model.parameters()).peak_transient["device"]
     assert peaks[1] >= weight_bytes
     assert peaks[8] <= 0.25 * peaks[1], peaks

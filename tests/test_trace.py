@@ -14,7 +14,8 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime.trace import TRACER, TRACKS, TRANSFER_TRACKS, union_seconds
+from zinf_compiler.runtime.trace import TRACKS, TRANSFER_TRACKS, union_seconds
+from zinf_compiler.runtime.process import RUNTIME
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
 
@@ -42,7 +43,7 @@ def test_trace_is_chrome_json_with_overlapping_compute_and_io(tmp_path):
         compiled(idx, targets).backward()
         opt.step()
         opt.zero_grad()
-    assert [os.path.basename(f) for f in TRACER.last_files] == ["trace.json", "memory.png"]
+    assert [os.path.basename(f) for f in RUNTIME.tracer.last_files] == ["trace.json", "memory.png"]
     trace_path = dump / "trace.json"
     assert trace_path.exists()
     assert (dump / "memory.png").stat().st_size > 1000

@@ -14,7 +14,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.runtime.resting import ZinfRestingParameterError
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 from usage import Pair, seeded, train_interleaved
 
 EAGER3 = {"stage": 3, "lower": "eager"}
@@ -593,7 +593,7 @@ def test_model_zero_grad_clears_the_gradient_shards(stage, compiled_module):
         zinf_opt.step()
         (compiled if compiled_module else model).zero_grad()
         assert abs(eager_loss.item() - zinf_loss.item()) <= 1e-5 * abs(eager_loss.item())
-    assert all(not record.has_grad for record in map(STORE.lookup, model.parameters()))
+    assert all(not record.has_grad for record in map(RUNTIME.store.lookup, model.parameters()))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -610,7 +610,7 @@ def test_stage_1_2_at_world_1_shard_is_the_parameter_and_user_writes_still_count
     pair = Pair(GPT(CFG), {"stage": stage, "lower": "eager"}, momentum=0.9)
     batches = synthetic_batches(CFG, 2, 6)
     losses = [pair.step(*batches[0])]
-    records = [STORE.lookup(p) for p in pair.zinf_model.parameters()]
+    records = [RUNTIME.store.lookup(p) for p in pair.zinf_model.parameters()]
     assert all(record.shard_is_param for record in records)
     assert all(record.shard.data_ptr() == p.data_ptr() for record, p in zip(records, pair.zinf_model.parameters()))
     report = zinf.memory_report(pair.compiled)

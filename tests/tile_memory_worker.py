@@ -23,12 +23,12 @@ import torch.nn as nn
 
 import zinf_compiler as zinf
 from zinf_compiler.runtime.host_memory import trim
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 from accounting_worker import rss
 
 
 def accounted() -> int:
-    return sum(STORE.resting.values()) + sum(STORE.transient.values())
+    return sum(RUNTIME.store.resting.values()) + sum(RUNTIME.store.transient.values())
 
 
 def main() -> None:
@@ -54,10 +54,10 @@ def main() -> None:
     # No zero_grad: the measured backward accumulates into the gradient shards
     # that exist already, so what grows is the working memory alone.
     trim()
-    STORE.reset_peak()
+    RUNTIME.store.reset_peak()
     baseline_rss, baseline_accounted = rss(), accounted()
     samples = []
-    book_transient, book_resting = STORE._add_transient, STORE._add_resting
+    book_transient, book_resting = RUNTIME.store._add_transient, RUNTIME.store._add_resting
 
     def sampled(book):
         def wrapper(*args, **kwargs):
@@ -67,19 +67,19 @@ def main() -> None:
 
         return wrapper
 
-    STORE._add_transient, STORE._add_resting = sampled(book_transient), sampled(book_resting)
-    read_before = sum(engine.bytes_read for engine in STORE._engines.values())
+    RUNTIME.store._add_transient, RUNTIME.store._add_resting = sampled(book_transient), sampled(book_resting)
+    read_before = sum(engine.bytes_read for engine in RUNTIME.store._engines.values())
     try:
         train_step()
     finally:
-        STORE._add_transient, STORE._add_resting = book_transient, book_resting
+        RUNTIME.store._add_transient, RUNTIME.store._add_resting = book_transient, book_resting
     print(json.dumps({
-        "peak_transient_device": STORE.peak_transient["device"],
+        "peak_transient_device": RUNTIME.store.peak_transient["device"],
         "accounted_growth": max(a for a, _ in samples) - baseline_accounted,
         "rss_growth": max(r for _, r in samples) - baseline_rss,
         "weight_bytes": weight_bytes,
-        "bytes_read": sum(engine.bytes_read for engine in STORE._engines.values()) - read_before,
-        "tile_rows": {name: STORE.lookup(p).tile_rows for name, p in model.named_parameters()},
+        "bytes_read": sum(engine.bytes_read for engine in RUNTIME.store._engines.values()) - read_before,
+        "tile_rows": {name: RUNTIME.store.lookup(p).tile_rows for name, p in model.named_parameters()},
     }))
 
 

@@ -11,7 +11,7 @@ import os
 
 from zero_worker import train
 from zinf_compiler.gpt import GPTConfig
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 from multirank import finish_rank, start_rank
 
 
@@ -20,12 +20,12 @@ def main() -> None:
     cfg = GPTConfig(**args["model"], frozen_scale=True)
     results = []
     for config in args["configs"]:
-        adopted_before = {record.uid for record in STORE.records()}
-        STORE.reset_peak()  # this configuration's peak, not the previous one's
+        adopted_before = {record.uid for record in RUNTIME.store.records()}
+        RUNTIME.store.reset_peak()  # this configuration's peak, not the previous one's
         result = train(config, cfg, world, rank, args["steps"], args["batch"])
-        result["tile_rows"] = {record.name: record.tile_rows for record in STORE.records()
+        result["tile_rows"] = {record.name: record.tile_rows for record in RUNTIME.store.records()
                                if record.uid not in adopted_before}
-        result["peak_transient_device"] = STORE.peak_transient["device"]
+        result["peak_transient_device"] = RUNTIME.store.peak_transient["device"]
         results.append(result)
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
         json.dump(results, handle)

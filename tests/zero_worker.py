@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime.comm import COMM
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 from multirank import finish_rank, start_rank
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, fused=True)
@@ -50,10 +49,10 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
     ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
     zinf_losses, eager_losses, norms, ref_norms = [], [], [], []
-    COMM.reset_traffic()
+    RUNTIME.comm.reset_traffic()
     for step, (idx, targets) in enumerate(synthetic_batches(cfg, batch * world, steps)):
         if step == 1:
-            calls_after_first = dict(COMM.calls)  # the first step also broadcasts at adoption
+            calls_after_first = dict(RUNTIME.comm.calls)  # the first step also broadcasts at adoption
         micro = batch // accumulate
         loss = 0.0
         for first in range(rank * batch, (rank + 1) * batch, micro):
@@ -73,7 +72,7 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
         # next to the storage the store and the optimizer actually hold.
         report = zinf.memory_report(compiled)
         held = {kind: sum(t.untyped_storage().nbytes() for t in tensors)
-                for kind, tensors in STORE.held_tensors(model.parameters()).items()}
+                for kind, tensors in RUNTIME.store.held_tensors(model.parameters()).items()}
         held["optimizer"] = sum(t.untyped_storage().nbytes() for state in opt._inner.state.values()
                                 for t in state.values() if isinstance(t, torch.Tensor))
         opt.zero_grad()
@@ -92,14 +91,14 @@ def train(config: dict, cfg: GPTConfig, world: int, rank: int, steps: int, batch
             ref_sched.step()
             eager_losses.append(ref_loss.item())
     calls_per_step = {kind: (calls - calls_after_first.get(kind, 0)) / (steps - 1)
-                      for kind, calls in COMM.calls.items()}
+                      for kind, calls in RUNTIME.comm.calls.items()}
     grads_are_none = all(p.grad is None for p in model.parameters())
     state = zinf.full_state_dict(compiled)
     param_numels = {name: p.numel() for name, p in model.named_parameters()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     result = {"config": config, "zinf_losses": zinf_losses, "norms": norms, "report": report, "held": held,
               "param_numels": param_numels, "trainable": sorted(trainable),
-              "grads_are_none": grads_are_none, "traffic": dict(COMM.traffic_bytes),
+              "grads_are_none": grads_are_none, "traffic": dict(RUNTIME.comm.traffic_bytes),
               "calls_per_step": calls_per_step,
               "early_steps": dict(opt._nvme.early.stats) if opt._nvme is not None and opt._nvme.early else None}
     if rank == 0:

@@ -7,8 +7,7 @@ import contextlib
 import torch
 
 from zinf_compiler.optim import live_optimizers
-from zinf_compiler.runtime.activations import ACTIVATIONS
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 TIERS = ("device", "cpu", "nvme")
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -34,8 +33,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, value in _unwrap(model).state_dict(keep_vars=True).items():
         if id(value) not in full_by_id:
-            record = STORE.lookup(value)
-            full_by_id[id(value)] = STORE.full_param(record) if record is not None else value.detach().clone()
+            record = RUNTIME.store.lookup(value)
+            full_by_id[id(value)] = RUNTIME.store.full_param(record) if record is not None else value.detach().clone()
         state[name] = full_by_id[id(value)]
     return state
 
@@ -54,20 +53,20 @@ def gathered(model: torch.nn.Module, writeback: bool = False):
     changes); otherwise they are dropped.  Stages 0-2 keep full parameters
     already: for them the block only turns off gradients.
     """
-    STORE.collect()
-    records = [r for r in map(STORE.lookup, _unique_params(model)) if r is not None and r.stage == 3]
+    RUNTIME.store.collect()
+    records = [r for r in map(RUNTIME.store.lookup, _unique_params(model)) if r is not None and r.stage == 3]
     held = []
     try:
         with torch.no_grad():
             for record in records:
-                if STORE.hold_full_storage(record):  # (else an enclosing block holds it, and frees it)
+                if RUNTIME.store.hold_full_storage(record):  # (else an enclosing block holds it, and frees it)
                     held.append(record)
             yield model
             if writeback:
                 for record in held:
-                    STORE.assign_full(record, record.param.detach())
+                    RUNTIME.store.assign_full(record, record.param.detach())
     finally:
-        STORE.release_full_storage(held)
+        RUNTIME.store.release_full_storage(held)
 
 
 def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
@@ -90,14 +89,14 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     The figures are this model's alone: another model in the same process
     has its own (and its own ``device_memory_limit``).
     """
-    STORE.collect()
+    RUNTIME.store.collect()
     report = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     params = _unique_params(model)
     for param in params:
         report["device"]["params"] += param.untyped_storage().nbytes()
         if param.grad is not None:
             report["device"]["grads"] += param.grad.numel() * param.grad.element_size()
-        record = STORE.lookup(param)
+        record = RUNTIME.store.lookup(param)
         if record is None:
             continue
         if not record.shard_is_param:  # (else the parameter's own storage, counted above)
@@ -115,12 +114,12 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     for opt in live_optimizers():
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
-    ledger = STORE.group(params)
+    ledger = RUNTIME.store.group(params)
     for tier, nbytes in ledger.activations.items():
         report[tier]["activations"] = nbytes
     report["peak"] = dict(ledger.peak)
-    report["buffers"] = {"cpu": (STORE.pinned.capacity_bytes if STORE.pinned is not None else 0)
-                         + ACTIVATIONS.pool_bytes}
+    report["buffers"] = {"cpu": (RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0)
+                         + RUNTIME.activations.pool_bytes}
     return report
 
 
@@ -131,6 +130,6 @@ def _memory_tier(tier: str) -> str:
 def reset_peak_memory(model: torch.nn.Module | None = None) -> None:
     """Start a new peak window for ``memory_report(model)["peak"]`` (None: every model's)."""
     if model is None:
-        STORE.reset_peak()
+        RUNTIME.store.reset_peak()
     else:
-        STORE.group(_unique_params(model)).reset_peak()
+        RUNTIME.store.group(_unique_params(model)).reset_peak()

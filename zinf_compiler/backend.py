@@ -28,13 +28,12 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from .context import CapturedGraph, GraphContext
 from .cost_model import CostModel, agreed_free_bytes, is_profiled, profile_machine
 from .runtime import agreement
-from .runtime.trace import TRACER
 from .runtime.aio import validate_folder
-from .runtime.activations import ACTIVATIONS, count_saved
 from .runtime.binding import Binding, bind_backward, bound, compiled_backward_nodes
 from .runtime.grad_hooks import claim_grad_hooks
 from .runtime.binding import active as binding_active
-from .runtime.store import DTYPES, STORE, ZinfStoreError
+from .runtime.process import RUNTIME
+from .runtime.store import DTYPES, ZinfStoreError
 from .runtime.units import layout_of
 from .dump import GraphDumper
 from .options import ZinfOptions, parse_options
@@ -63,13 +62,13 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
 
 
 def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> Callable:
-    STORE.collect()
+    RUNTIME.store.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.mesh = model_mesh(options)
     captured.world_size = captured.mesh.shard.world_size
     # Collectives of no model (stage 0's all-reduce, checkpoints' exchanges): the last compile's setting;
     # each model's own use its ledger's (set below).
-    STORE.comm.timeout = options.collective_timeout
+    RUNTIME.store.comm.timeout = options.collective_timeout
     if captured.mesh.everyone.world_size > 1:
         _agree_before_compiling(captured)
     adopted = []
@@ -85,7 +84,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
         # This graph's parameters count as one model (with any they were grouped
         # with before, e.g. by its optimizer), under this compile's device budget.
-        ledger = STORE.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
+        ledger = RUNTIME.store.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
                              collective_timeout=options.collective_timeout)
         for position, param in captured.param_tensors.items():
             record = _adopt(captured, position, param, tile_plans.get(position), ledger)
@@ -97,11 +96,11 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     dumper = GraphDumper(captured)
     dumper.dump_dynamo(gm)
     if dumper.enabled:
-        TRACER.arm(dumper.root, options.trace_step, STORE.trace_sample)
+        RUNTIME.tracer.arm(dumper.root, options.trace_step, RUNTIME.trace_sample)
     rewrite = functools.partial(_rewrite_aten_graph, captured, dumper)
     joint_hook = joint_graph_hook(captured)  # the checkpointing policy, on the joint graph
     if options.offload_activations == "nvme":
-        ACTIVATIONS.configure(options.nvme_path, options.aio_block_size, options.aio_queue_depth, options.aio_threads)
+        RUNTIME.activations.configure(options.nvme_path, options.aio_block_size, options.aio_queue_depth, options.aio_threads)
     # The AOTAutograd cache would hand back a previously compiled graph and skip
     # our hooks, silently dropping every pass: keep it off for zinf graphs.
     with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -110,7 +109,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         else:
             compiled = _compile_eager(gm, example_inputs, rewrite, joint_hook)
     # Only now, with tracing done, may stage 3 parameters give up their memory.
-    STORE.release_full_storage(adopted)
+    RUNTIME.store.release_full_storage(adopted)
     # The compiled graph serves any module Dynamo hands it: it must not keep this one alive.
     captured.param_tensors = {}
     return _run_time_wrapper(compiled, captured)
@@ -145,7 +144,7 @@ def _agree_before_compiling(captured: CapturedGraph) -> None:
                                         captured.options.nvme_path if "nvme" in offloads else None,
                                         captured.mesh.everyone)
                         or (captured.options.stage > 0
-                            and any(STORE.lookup(param) is None for param in captured.param_tensors.values())))
+                            and any(RUNTIME.store.lookup(param) is None for param in captured.param_tensors.values())))
     if runs_collectives:
         _agree(captured, agreement.COMPILE)
 
@@ -188,7 +187,7 @@ _AGREEMENT_KEY = "zinf_rank_agreement"
 
 def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows, ledger):
     options = captured.options
-    return STORE.adopt(
+    return RUNTIME.store.adopt(
         param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
         param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
         opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
@@ -227,10 +226,10 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
                     if captured.options.broadcast_buffers and everyone.world_size > 1 else [])
 
     def bind(args) -> Binding:
-        STORE.collect()
+        RUNTIME.store.collect()
         records, unseen = {}, []
         for slot in slots:
-            record = STORE.lookup(args[slot])
+            record = RUNTIME.store.lookup(args[slot])
             if record is None:
                 unseen.append(slot)
                 continue
@@ -242,7 +241,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
                 )
             records[slot] = record
         if unseen:
-            ledger = STORE.group([args[slot] for slot in slots],
+            ledger = RUNTIME.store.group([args[slot] for slot in slots],
                                  device_memory_limit=captured.options.device_memory_limit,
                                  collective_timeout=captured.options.collective_timeout)
             for slot in unseen:
@@ -268,20 +267,20 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             outputs = compiled(*args)
             if check_calls:
                 _agree_before_backward(outputs, captured)
-            count_saved(compiled_backward_nodes(outputs), list(inputs), None)
+            RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), None)
             return outputs
         binding = bind(inputs)
         if not binding_active():
             # Transfers left in flight by a graph that raised half way (forward or
             # backward) would pair with this call's waits: drop them first.
-            STORE.abandon_transfers()
+            RUNTIME.store.abandon_transfers()
         with bound(binding):
             outputs = compiled(*args)
         bind_backward(outputs, binding)
         if check_calls:
             _agree_before_backward(outputs, captured)
         ledger = next(iter(binding.records.values())).ledger if binding.records else None
-        count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
+        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
         return outputs
 
     functools.update_wrapper(run, compiled)
@@ -303,7 +302,7 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, 
         raise ZinfStoreError(
             f"zinf graph {captured.graph_id}: parameter {name} was laid out in row tiles {record.tile_rows}, "
             f"this graph expects {captured.tile_rows.get(slot)}")
-    STORE.release_full_storage([record])
+    RUNTIME.store.release_full_storage([record])
     return record
 
 
@@ -312,7 +311,7 @@ TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 def model_mesh(options: ZinfOptions):
     """The ranks a model with ``options`` shards over (option ``mesh``; default: every rank)."""
-    return options.mesh or STORE.comm.mesh()
+    return options.mesh or RUNTIME.store.comm.mesh()
 
 
 def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
@@ -321,7 +320,7 @@ def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
         return options.device_memory_limit
     devices = {param.device for param in captured.param_tensors.values()}
     if len(devices) == 1 and (device := devices.pop()).type == "cuda":
-        if any(STORE.lookup(param) is None for param in captured.param_tensors.values()):
+        if any(RUNTIME.store.lookup(param) is None for param in captured.param_tensors.values()):
             # New parameters get their tile layout now: the least any rank has, so every rank tiles
             # alike (the tiles' gathers are collectives).  Every rank compiles here together (this
             # compile agreed first: _agree_before_compiling).
@@ -339,29 +338,29 @@ def _plan_schedule(captured: CapturedGraph, options: ZinfOptions) -> None:
     offloads = (options.offload_param, options.offload_optimizer, options.offload_activations)
     nvme_path = options.nvme_path if "nvme" in offloads else None
     profile = profile_machine(device, DTYPES[options.param_dtype], nvme_path, captured.mesh.everyone)
-    captured.cost_model = CostModel(profile, captured.world_size, STORE.prefetch_pinned_bytes())
+    captured.cost_model = CostModel(profile, captured.world_size, RUNTIME.store.prefetch_pinned_bytes())
     if options.max_live_bytes != "auto":
         captured.live_bytes_cap = options.max_live_bytes
     elif options.device_memory_limit is not None:
         captured.live_bytes_cap = options.device_memory_limit
     elif profile.free_device_bytes is not None:
         captured.live_bytes_cap = profile.free_device_bytes // 2  # the other half: activations
-    captured.pinned_capacity = STORE.prefetch_pinned_bytes()
+    captured.pinned_capacity = RUNTIME.store.prefetch_pinned_bytes()
 
 
 def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
     """Before ``params`` are adopted: configure the swap and pinned pool, check nvme_path has room."""
-    STORE.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
+    RUNTIME.store.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
                             options.aio_queue_depth, options.aio_threads, options.nvme_copies)
     if "nvme" not in (options.offload_param, options.offload_optimizer):
         return
     world = model_mesh(options).shard.world_size
     needed = 0
     for param in params:
-        if STORE.lookup(param) is not None:
+        if RUNTIME.store.lookup(param) is not None:
             continue
         local_numel = -(-param.numel() // world) if options.partition == "allgather" else param.numel()
-        STORE.plan_shards(local_numel)
+        RUNTIME.store.plan_shards(local_numel)
         copies = options.nvme_copies
         trained_on_nvme = options.offload_optimizer == "nvme" and param.requires_grad
         # An fp32 parameter trained on nvme is read from its master's files (ParamLayout.params_in_master);

@@ -67,7 +67,8 @@ from .runtime.checkpoint_files import (DTYPE_NAMES, DTYPES_BY_NAME, ChecksummedW
                                        read_json_checked, replace_into_place, verify_data_file, write_file_atomic,
                                        write_json_atomic)
 from .runtime.nvme_adam import state_key, sub_groups
-from .runtime.store import STORE, ParamRecord
+from .runtime.store import ParamRecord
+from .runtime.process import RUNTIME
 
 log = logging.getLogger("zinf")
 
@@ -85,10 +86,10 @@ def _refuse_meshes(model: torch.nn.Module, what: str, spanning_ok: bool = False)
     """Refuse a model sharded over a ``mesh`` option's groups (checkpoint files are numbered by the
     default group's ranks); ``spanning_ok``: a mesh over every rank is fine (export gathers)."""
     for _, param in _named_params(model):
-        record = STORE.lookup(param)
+        record = RUNTIME.store.lookup(param)
         if record is None or record.mesh.is_default:
             continue
-        if spanning_ok and record.mesh.everyone.world_size == STORE.comm.world_size:
+        if spanning_ok and record.mesh.everyone.world_size == RUNTIME.store.comm.world_size:
             continue
         raise ZinfCheckpointError(
             f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh); "
@@ -203,9 +204,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     docstring); a checkpoint already at ``path`` is replaced.  Returns ``path``.
     """
     path = os.path.abspath(os.fspath(path))
-    comm = STORE.comm
+    comm = RUNTIME.store.comm
     rank, world_size = comm.rank, comm.world_size
-    STORE.collect()
+    RUNTIME.store.collect()
     _refuse_meshes(model, "save")
     started = time.perf_counter()
     if optimizer is not None:
@@ -339,9 +340,9 @@ def _write_rank(staging: str, rank: int, model, optimizer) -> dict:
     try:
         named = _named_params(model)
         for name, param in named:
-            record = STORE.lookup(param)
+            record = RUNTIME.store.lookup(param)
             if _sharded(record):
-                pieces = _write_ranges(writer, STORE.local_value_chunks(record), record.owned_ranges())
+                pieces = _write_ranges(writer, RUNTIME.store.local_value_chunks(record), record.owned_ranges())
                 dtype = record.holding_dtype
             elif rank == 0:
                 full = param.detach().reshape(-1)
@@ -390,7 +391,7 @@ def _optimizer_state(optimizer: ZinfOptimizer, slot, rank: int):
             return
         yield "step", None, None, None, [float(steps), "float32"]
         for kind in ("exp_avg", "exp_avg_sq"):
-            chunks = ((start, STORE._read_swap(record.swap, state_key(kind, record.uid, index), torch.float32,
+            chunks = ((start, RUNTIME.store.read_swap(record.swap, state_key(kind, record.uid, index), torch.float32,
                                                stop - start, torch.device("cpu")))
                       for index, (start, stop) in enumerate(sub_groups(record.local_numel)))
             yield kind, torch.float32, chunks, record.owned_ranges(), None
@@ -417,7 +418,7 @@ def _meta(model, optimizer, world_size: int, manifests: dict[str, int]) -> dict:
     aliases = _aliases(model)
     params = {}
     for name, param in named:
-        record = STORE.lookup(param)
+        record = RUNTIME.store.lookup(param)
         layout = None
         if record is not None:
             layout = {"stage": record.stage, "partition": record.partition,
@@ -431,7 +432,7 @@ def _meta(model, optimizer, world_size: int, manifests: dict[str, int]) -> dict:
                for name, b in _named_buffers(model, {id(p) for _, p in named})}
     meta = {"format": FORMAT, "world_size": world_size, "params": params, "buffers": buffers,
             "manifests": manifests, "saved_at": time.time(),
-            "fp16_scaler": STORE.group([param for _, param in named]).fp16_scaler.state(),  # this model's
+            "fp16_scaler": RUNTIME.store.group([param for _, param in named]).fp16_scaler.state(),  # this model's
             "optimizer": None}
     if optimizer is not None:
         names = {id(p): name for name, p in named}
@@ -820,8 +821,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     other than tensors and plain containers.
     """
     path = os.path.abspath(os.fspath(path))
-    comm = STORE.comm
-    STORE.collect()
+    comm = RUNTIME.store.comm
+    RUNTIME.store.collect()
     _refuse_meshes(model, "load")
     try:
         checkpoint = Checkpoint(path)
@@ -850,12 +851,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         optimizer.zero_grad()
         optimizer._attach_checkpoint(checkpoint, {id(p): name for name, p in _named_params(model)})
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if optimizer._inner is not None or all(STORE.lookup(p) is not None for p in params):
+        if optimizer._inner is not None or all(RUNTIME.store.lookup(p) is not None for p in params):
             optimizer._bind()  # the binding is final: apply the state now
     else:
         checkpoint.close()
     # Into this model's ledger (made now if it has none yet: its parameters join it when adopted).
-    STORE.group([param for _, param in _named_params(model)]).fp16_scaler.load_state(meta["fp16_scaler"])
+    RUNTIME.store.group([param for _, param in _named_params(model)]).fp16_scaler.load_state(meta["fp16_scaler"])
     if meta["world_size"] == comm.world_size:
         _set_rng_state(checkpoint.manifests[comm.rank]["rng"])
     else:
@@ -900,7 +901,7 @@ def _check_matches(checkpoint: Checkpoint, model, optimizer) -> None:
                         f"{' ...' if len(unexpected) > 8 else ''}")
     shapes = []
     for name, param in named:
-        record = STORE.lookup(param)
+        record = RUNTIME.store.lookup(param)
         shape = list(record.shape if record is not None else param.shape)
         if name in saved and saved[name]["shape"] != shape:
             shapes.append(f"{name} has shape {tuple(shape)}, the checkpoint {tuple(saved[name]['shape'])}")
@@ -940,22 +941,22 @@ def _load_model(checkpoint: Checkpoint, model) -> None:
     named = _named_params(model)
     records = []
     for name, param in named:
-        record = STORE.lookup(param)
+        record = RUNTIME.store.lookup(param)
         if _sharded(record):
             records.append(record)
             if record.stage == 3:
-                STORE.assign_local(record, checkpoint.read_local(record, name, "value", record.holding_dtype))
+                RUNTIME.store.assign_local(record, checkpoint.read_local(record, name, "value", record.holding_dtype))
                 continue
             # Stages 1-2: the full parameter is in memory anyway; the master takes the saved fp32 values.
             full = checkpoint.read_full(name, "value", record.numel, record.holding_dtype)
             param.data.copy_(full.view(record.shape))
-            STORE.assign_full(record, full.view(record.shape))
+            RUNTIME.store.assign_full(record, full.view(record.shape))
             record.synced_version = param._version
         else:
             full = checkpoint.read_full(name, "value", param.numel(), param.dtype)
             param.copy_(full.view(param.shape))
         param.grad = None
-    STORE.drop_grads(records)
+    RUNTIME.store.drop_grads(records)
     for name, buffer in _named_buffers(model, {id(p) for _, p in named}):
         buffer.copy_(checkpoint.read_full(name, "buffer", buffer.numel(), buffer.dtype).view(buffer.shape))
 
@@ -972,7 +973,7 @@ def apply_optimizer_state(optimizer: ZinfOptimizer, checkpoint: Checkpoint, name
         for slot in optimizer._all_slots():
             if _sharded(slot.record):
                 name = names[id(slot.param)]
-                STORE.assign_local(slot.record, checkpoint.read_local(slot.record, name, "value",
+                RUNTIME.store.assign_local(slot.record, checkpoint.read_local(slot.record, name, "value",
                                                                       slot.record.holding_dtype))
     if optimizer._inner is not None:
         inner_state = optimizer._inner.state_dict()
@@ -994,7 +995,7 @@ def apply_optimizer_state(optimizer: ZinfOptimizer, checkpoint: Checkpoint, name
             for kind in ("exp_avg", "exp_avg_sq"):
                 local = checkpoint.read_local(record, name, "state." + kind, torch.float32)
                 for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-                    STORE._write_swap(record.swap, state_key(kind, record.uid, index), local[start:stop])
+                    RUNTIME.store.write_swap(record.swap, state_key(kind, record.uid, index), local[start:stop])
                 del local
             optimizer._nvme.steps[record.uid] = steps
         else:
@@ -1101,16 +1102,16 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     if format != "safetensors":
         raise ValueError(f"zinf.export writes format='safetensors' only, not {format!r}")
     path = os.path.abspath(os.fspath(path))
-    comm = STORE.comm
+    comm = RUNTIME.store.comm
     rank = comm.rank
-    STORE.collect()
+    RUNTIME.store.collect()
     _refuse_meshes(model, "export", spanning_ok=True)
     module = _unwrap(model)
     named = _named_params(module)
     tensors = [(name, param) for name, param in named] + _named_buffers(module, {id(p) for _, p in named})
     entries = []
     for name, tensor in tensors:
-        record = STORE.lookup(tensor)
+        record = RUNTIME.store.lookup(tensor)
         shape = tuple(record.shape if record is not None else tensor.shape)
         out_dtype = dtype if dtype is not None and tensor.is_floating_point() else (
             record.dtype if record is not None else tensor.dtype)
@@ -1121,7 +1122,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
         writer = SafetensorsWriter(os.path.join(path, "model.safetensors"), entries, {"format": "pt"})
     try:
         for (name, tensor), (_, out_dtype, _) in zip(tensors, entries):
-            record = STORE.lookup(tensor)
+            record = RUNTIME.store.lookup(tensor)
             if record is not None and record.stage == 3:
                 with _gathered(record) as full:  # a collective: every rank, in the same order
                     if writer is not None:
@@ -1161,9 +1162,9 @@ def _save_config(config, path: str) -> None:
 @contextlib.contextmanager
 def _gathered(record: ParamRecord):
     """The full parameter for the block (collective), released after it; never a second full copy."""
-    unit = STORE.unit([record])
-    STORE.gather_start(unit)
+    unit = RUNTIME.store.unit([record])
+    RUNTIME.store.gather_start(unit)
     try:
-        yield STORE.gather_wait(unit)[0]
+        yield RUNTIME.store.gather_wait(unit)[0]
     finally:
-        STORE.release(unit)
+        RUNTIME.store.release(unit)

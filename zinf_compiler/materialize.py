@@ -42,7 +42,8 @@ from .options import parse_options
 from .runtime.aio import human_bytes
 from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
 from .runtime.host_memory import trim
-from .runtime.store import DTYPES, STORE
+from .runtime.store import DTYPES
+from .runtime.process import RUNTIME
 
 log = logging.getLogger("zinf")
 
@@ -143,13 +144,13 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
             read_local = None
             if stored is not None:
                 read_local = functools.partial(_read_local, stored, reader=reader)
-            record = STORE.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
+            record = RUNTIME.store.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
                                  param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
                                  opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed),
                                  read_local=read_local, bucket_bytes=parsed.bucket_bytes,
                                  grad_ram_bytes=parsed.nvme_grad_ram_bytes, mesh=model_mesh(parsed),
                                  step_in_backward=parsed.overlap_optimizer)
-            STORE.release_full_storage([record])
+            RUNTIME.store.release_full_storage([record])
             done += real.numel()
         if ready:
             trim()  # the full tensors just freed sit in glibc's heap otherwise: RSS would grow module by module

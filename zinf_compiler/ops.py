@@ -18,9 +18,7 @@ from __future__ import annotations
 import torch
 
 from zinf_compiler.runtime import binding
-from zinf_compiler.runtime.activations import ACTIVATIONS
-from zinf_compiler.runtime.comm import COMM
-from zinf_compiler.runtime.store import STORE
+from zinf_compiler.runtime.process import RUNTIME
 
 
 def _unit(slots: list[int], tile: int):
@@ -29,7 +27,7 @@ def _unit(slots: list[int], tile: int):
     ``tile=-1``: whole parameters; else that row tile of the one parameter in ``slots``.
     """
     binding_now = binding.current()
-    return STORE.unit([binding_now.record(slot) for slot in slots], None if tile < 0 else tile)
+    return RUNTIME.store.unit([binding_now.record(slot) for slot in slots], None if tile < 0 else tile)
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -50,7 +48,7 @@ def nc_start(slots: list[int], device: torch.device, tile: int = -1) -> torch.Te
 
     ``device``: the parameters' device (the token's).
     """
-    STORE.nc_start(_unit(slots, tile))
+    RUNTIME.store.nc_start(_unit(slots, tile))
     return _token(device)
 
 
@@ -62,7 +60,7 @@ def _(slots, device, tile=-1):
 @torch.library.custom_op("zinf::nc_wait", mutates_args=())
 def nc_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
     """Finish the NVMe read; returns a token ordering the CPU-to-device copy after it."""
-    STORE.nc_wait(_unit(slots, tile))
+    RUNTIME.store.nc_wait(_unit(slots, tile))
     return _token(token.device)
 
 
@@ -73,14 +71,14 @@ def cg_start(slots: list[int], device: torch.device, after: torch.Tensor | None 
 
     ``after``: the token of the NVMe read (nc) that staged them, if any.
     """
-    STORE.cg_start(_unit(slots, tile))
+    RUNTIME.store.cg_start(_unit(slots, tile))
     return _token(device)
 
 
 @torch.library.custom_op("zinf::cg_wait", mutates_args=())
 def cg_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
     """Finish the copy; the shards are staged on the device for the gather."""
-    STORE.cg_wait(_unit(slots, tile))
+    RUNTIME.store.cg_wait(_unit(slots, tile))
     return _token(token.device)
 
 
@@ -92,7 +90,7 @@ def gather_start(slots: list[int], device: torch.device, after: torch.Tensor | N
     ``after``: the token of the fetch (cg) that staged the shards, if any.
     ``tile`` >= 0: assemble only that row tile of the one tiled parameter.
     """
-    STORE.gather_start(_unit(slots, tile))
+    RUNTIME.store.gather_start(_unit(slots, tile))
     return _token(device)
 
 
@@ -111,7 +109,7 @@ def gather_wait(token: torch.Tensor, slots: list[int], sizes: list[int], dims: l
     Their shapes, for tracing: ``dims[i]`` sizes each, one after another in
     ``sizes``; all of ``dtype`` (one bucket holds one dtype), on the token's device.
     """
-    return STORE.gather_wait(_unit(slots, tile))
+    return RUNTIME.store.gather_wait(_unit(slots, tile))
 
 
 @gather_wait.register_fake
@@ -131,7 +129,7 @@ def split_shapes(sizes: list[int], dims: list[int]) -> list[list[int]]:
 @torch.library.custom_op("zinf::release", mutates_args=())
 def release(gathered: list[torch.Tensor], slots: list[int], tile: int = -1) -> None:
     """The last use of the gathered parameters (or tile) has run: their bytes stop counting as held."""
-    STORE.release(_unit(slots, tile))
+    RUNTIME.store.release(_unit(slots, tile))
 
 
 @release.register_fake
@@ -142,7 +140,7 @@ def _(gathered, slots, tile=-1):
 @torch.library.custom_op("zinf::reduce_grad_start", mutates_args=())
 def reduce_grad_start(grads: list[torch.Tensor], slots: list[int], tile: int = -1) -> torch.Tensor:
     """Begin reducing the gradients of the parameters in ``slots`` (of row ``tile``, if >= 0) with one collective."""
-    STORE.reduce_grad_start(_unit(slots, tile), grads)
+    RUNTIME.store.reduce_grad_start(_unit(slots, tile), grads)
     return _token(grads[0].device)
 
 
@@ -154,7 +152,7 @@ def _(grads, slots, tile=-1):
 @torch.library.custom_op("zinf::reduce_grad_wait", mutates_args=())
 def reduce_grad_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> None:
     """Finish the reduce started with ``token``; the results are in the store's gradient shards."""
-    STORE.reduce_grad_wait(_unit(slots, tile))
+    RUNTIME.store.reduce_grad_wait(_unit(slots, tile))
 
 
 @reduce_grad_wait.register_fake
@@ -166,7 +164,7 @@ def _(token, slots, tile=-1):
 def all_reduce_grad(grad: torch.Tensor) -> torch.Tensor:
     """Stage 0 (plain data parallel): the gradient averaged over ranks."""
     averaged = grad.clone()
-    COMM.all_reduce_avg(averaged).wait()
+    RUNTIME.comm.all_reduce_avg(averaged).wait()
     return averaged
 
 
@@ -190,7 +188,7 @@ def act_offload_start(value: torch.Tensor, tier: str, nvme_path: str, name: str)
     The forward graph saves the handle (16 bytes of CPU memory with ``value``'s shape and dtype, every
     stride 0) for backward instead of ``value``.
     """
-    return ACTIVATIONS.offload_start(value, tier, nvme_path, name, _model_ledger())
+    return RUNTIME.activations.offload_start(value, tier, nvme_path, name, _model_ledger())
 
 
 def handle_like(value: torch.Tensor) -> torch.Tensor:
@@ -206,7 +204,7 @@ def _(value, tier, nvme_path, name):
 @torch.library.custom_op("zinf::act_offload_wait", mutates_args=())
 def act_offload_wait(handle: torch.Tensor, value: torch.Tensor) -> None:
     """The activation's copy off the device is done (``value``: read last here, so freed after)."""
-    ACTIVATIONS.offload_wait(handle)
+    RUNTIME.activations.offload_wait(handle)
 
 
 @act_offload_wait.register_fake
@@ -217,7 +215,7 @@ def _(handle, value):
 @torch.library.custom_op("zinf::act_fetch_start", mutates_args=())
 def act_fetch_start(handle: torch.Tensor) -> torch.Tensor:
     """Begin bringing a saved activation back to the device (backward); returns a token."""
-    ACTIVATIONS.fetch_start(handle)
+    RUNTIME.activations.fetch_start(handle)
     return torch.empty(0, dtype=torch.uint8)
 
 
@@ -230,7 +228,7 @@ def _(handle):
 def act_fetch_wait(token: torch.Tensor, handle: torch.Tensor, shape: list[int], stride: list[int],
                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Finish the fetch: the activation, with the shape, strides and dtype it was saved with."""
-    return ACTIVATIONS.fetch_wait(handle)
+    return RUNTIME.activations.fetch_wait(handle)
 
 
 @act_fetch_wait.register_fake

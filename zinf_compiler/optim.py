@@ -27,8 +27,8 @@ from zinf_compiler.runtime.aio import AioError
 from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
-from zinf_compiler.runtime.store import STORE, ParamRecord
-from zinf_compiler.runtime.trace import TRACER
+from zinf_compiler.runtime.store import ParamRecord
+from zinf_compiler.runtime.process import RUNTIME
 
 # With parameters on NVMe, masters are stepped and written back this many bytes at a time.
 PUBLISH_CHUNK_BYTES = 32 << 20
@@ -78,7 +78,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         # clip_grad_norm_ scaled this step's gradients: no step taken during backward counts.
         self._clipped = False
         # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
-        self._ledger = STORE.group(p for group in self.param_groups for p in group["params"])
+        self._ledger = RUNTIME.store.group(p for group in self.param_groups for p in group["params"])
         _LIVE_OPTIMIZERS.add(self)
         # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
         weakref.finalize(self, _unaccount_state, self._state_bytes, self._ledger)
@@ -108,7 +108,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def _bind_slots(self) -> None:
         if self._inner is not None:
-            stale = any(slot.record is None and STORE.lookup(slot.param) is not None
+            stale = any(slot.record is None and RUNTIME.store.lookup(slot.param) is not None
                         for group_slots in self._slots for slot in group_slots)
             if not stale:
                 return
@@ -126,7 +126,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             group_slots = []
             for param in group["params"]:
-                record = STORE.lookup(param)
+                record = RUNTIME.store.lookup(param)
                 if record is not None and record.stage > 0 and record.opt_tier == "nvme":
                     if self.inner_class not in (torch.optim.Adam, torch.optim.AdamW):
                         raise ValueError(
@@ -150,7 +150,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 "fp16 overflow checks span one group of ranks: use one optimizer per mesh")
         self._inner = self._make_inner(inner_groups)
         if self._nvme_slots:
-            self._nvme = NvmeAdam(STORE, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
+            self._nvme = NvmeAdam(RUNTIME.store, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
             early = [(slot.record, self.param_groups[group_index]) for slot, group_index in self._nvme_slots
                      if slot.record.step_in_backward]
             if early:
@@ -186,10 +186,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _mesh(self):
         """The ranks this optimizer's parameters are sharded over (one mesh: see _bind_slots)."""
         records = self._records()
-        return records[0].mesh if records else STORE.comm.mesh()
+        return records[0].mesh if records else RUNTIME.store.comm.mesh()
 
     def _reduce_stage1_grads(self) -> None:
-        STORE.reduce_full_grads([r for r in self._records() if r.stage == 1])
+        RUNTIME.store.reduce_full_grads([r for r in self._records() if r.stage == 1])
 
     # --- the torch.optim.Optimizer interface -------------------------------------
 
@@ -219,7 +219,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
           ``step()`` again: it writes them from the masters and does not
           step again.
         """
-        TRACER.mark("optimizer step")
+        RUNTIME.tracer.mark("optimizer step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -241,18 +241,18 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 with _swap_transaction(slot.record for slot in unwritten):
                     try:
                         for slot in unwritten:
-                            STORE.publish(slot.record, slot.master)
+                            RUNTIME.store.publish(slot.record, slot.master)
                     finally:
-                        STORE.finish_publish()
+                        RUNTIME.store.finish_publish()
             except AioError as err:
                 raise params_not_written(err) from err
             self._params_unwritten = ()
-            STORE.refresh_full_params(self._records())
+            RUNTIME.store.refresh_full_params(self._records())
             self._account_state()
             trim()
-            TRACER.step_done()
+            RUNTIME.tracer.step_done()
             return loss
-        STORE.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
+        RUNTIME.store.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
         self._reduce_stage1_grads()
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
@@ -261,8 +261,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
             ledger = fp16_records[0].ledger
             if ledger.fp16_scaler.should_skip_step(self._mesh().everyone, fp16_records[0].device, ledger.collective_timeout):
                 # An fp16 gradient overflowed on some rank: no update this step.
-                STORE.drop_grads(self._records())
-                TRACER.step_done()
+                RUNTIME.store.drop_grads(self._records())
+                RUNTIME.tracer.step_done()
                 return loss
         for slot in self._memory_slots():
             if slot.master is not slot.param:
@@ -309,11 +309,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
             self._params_unwritten = unwritten
             raise params_not_written(err) from err
         self._clipped = False
-        STORE.refresh_full_params(self._records())
+        RUNTIME.store.refresh_full_params(self._records())
         self._account_state()
         if any(r.param_tier != "device" or r.opt_tier != "device" for r in self._records()):
             trim()  # offloading is about bounded host memory: hand this step's freed staging back
-        TRACER.step_done()
+        RUNTIME.tracer.step_done()
         return loss
 
     def _step_and_publish(self) -> None:
@@ -343,9 +343,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
                         self._inner.step()
                     for slot in chunk:
                         if slot.record is not None and slot.record.stage > 0:
-                            STORE.publish(slot.record, slot.master)
+                            RUNTIME.store.publish(slot.record, slot.master)
             finally:
-                STORE.finish_publish()  # inside the transaction: its writes commit together
+                RUNTIME.store.finish_publish()  # inside the transaction: its writes commit together
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # full gradients in param.grad (unsharded params, stage 1)
@@ -355,8 +355,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 slot.master.grad = None
         # Not through the slots: before the first step they are not bound yet,
         # and gradient shards from a backward must still go.
-        records = (STORE.lookup(p) for group in self.param_groups for p in group["params"])
-        STORE.drop_grads([r for r in records if r is not None])
+        records = (RUNTIME.store.lookup(p) for group in self.param_groups for p in group["params"])
+        RUNTIME.store.drop_grads([r for r in records if r is not None])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -424,7 +424,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 f"optimizer state was saved at world size {saved['world_size']}, this run has "
                 f"{self._mesh().shard.world_size}; per-rank optimizer shards only load into the same world size"
             )
-        if self._inner is None and not any(STORE.lookup(p) is not None
+        if self._inner is None and not any(RUNTIME.store.lookup(p) is not None
                                            for group in self.param_groups for p in group["params"]):
             # Before the model's first compiled call nothing is sharded yet: the state
             # belongs to shards that do not exist.  Load it when the optimizer binds.
@@ -470,13 +470,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _account_state(self) -> None:
         held = self.state_bytes()
         for tier in ("device", "cpu"):
-            STORE.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier], ledger=self._ledger.root())
+            RUNTIME.store.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier], ledger=self._ledger.root())
             self._state_bytes[tier] = held[tier]
 
 
 def _unaccount_state(state_bytes: dict[str, int], ledger) -> None:
     for tier, nbytes in state_bytes.items():
-        STORE.add_optimizer_bytes(tier, -nbytes, ledger=ledger.root())
+        RUNTIME.store.add_optimizer_bytes(tier, -nbytes, ledger=ledger.root())
         state_bytes[tier] = 0
 
 
@@ -520,10 +520,10 @@ def refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) ->
     """
     if isinstance(optimizer, ZinfOptimizer) or getattr(optimizer, "_zinf_inner", False):
         return
-    STORE.collect()
+    RUNTIME.store.collect()
     for group in optimizer.param_groups:
         for param in group["params"]:
-            record = STORE.lookup(param)
+            record = RUNTIME.store.lookup(param)
             if not _grad_outside_param(record):
                 continue
             name = type(optimizer).__name__
@@ -546,9 +546,9 @@ TORCH_CLIP: dict[str, Callable] = {}  # name -> torch's function body, which the
 
 def _zinf_params_in(parameters) -> tuple[list[torch.Tensor], list[ParamRecord]]:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if not STORE.records():
+    if not RUNTIME.store.records():
         return params, []
-    return params, [r for r in map(STORE.lookup, params) if _grad_outside_param(r)]
+    return params, [r for r in map(RUNTIME.store.lookup, params) if _grad_outside_param(r)]
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -633,7 +633,7 @@ TORCH_MODULE_ZERO_GRAD = torch.nn.Module.zero_grad  # torch's own (torch_patches
 def module_zero_grad_with_shards(self: torch.nn.Module, set_to_none: bool = True) -> None:
     """``nn.Module.zero_grad`` that also discards the zinf gradient shards of the module's parameters."""
     TORCH_MODULE_ZERO_GRAD(self, set_to_none)
-    if STORE.records():
-        records = [record for record in map(STORE.lookup, self.parameters()) if record is not None]
+    if RUNTIME.store.records():
+        records = [record for record in map(RUNTIME.store.lookup, self.parameters()) if record is not None]
         if records:
-            STORE.drop_grads(records)
+            RUNTIME.store.drop_grads(records)

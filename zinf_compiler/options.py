@@ -144,7 +144,8 @@ def _name_list(value: Any) -> tuple[str, ...]:
 
 def _mesh(value: Any):
     """None (the default group), a ProcessGroup, or a 1-D or 2-D DeviceMesh, as a runtime MeshComm."""
-    from .runtime.comm import COMM, MeshComm
+    from .runtime.comm import MeshComm
+    from .runtime.process import RUNTIME
 
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
         return None
@@ -158,12 +159,12 @@ def _mesh(value: Any):
     if not dist.is_initialized():
         raise ValueError(accepted + " of an initialized torch.distributed (call init_process_group first)")
     if isinstance(value, dist.ProcessGroup):
-        return COMM.mesh(value)
+        return RUNTIME.comm.mesh(value)
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(value, DeviceMesh):
         if value.ndim == 1:
-            return COMM.mesh(value.get_group(0))
+            return RUNTIME.comm.mesh(value.get_group(0))
         if value.ndim == 2:
             if value.size(1) < 2:
                 raise ValueError("a 2-D DeviceMesh with at least 2 ranks per shard group (dim 1); to replicate "
@@ -171,7 +172,7 @@ def _mesh(value: Any):
             if value.size() != dist.get_world_size():
                 raise ValueError(f"a 2-D DeviceMesh spanning every rank (this one has {value.size()} of "
                                  f"{dist.get_world_size()}); shard a subset of ranks with a 1-D mesh or a ProcessGroup")
-            return COMM.mesh(value.get_group(1), value.get_group(0))
+            return RUNTIME.comm.mesh(value.get_group(1), value.get_group(0))
         raise ValueError(f"{accepted}; got a {value.ndim}-D DeviceMesh (tensor parallel dims are not supported)")
     raise ValueError(f"{accepted}; got {type(value).__name__}")
 

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from zinf_compiler.runtime import early_adam, nvme_adam, store as store_module, units
+from zinf_compiler.runtime import early_adam, nvme_adam, store as store_module, store_grads, units
 from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.nvme_adam import NvmeAdam, state_key
 from zinf_compiler.runtime.store import ParamStore
@@ -29,7 +29,7 @@ SHAPES = {"a": (5, 500), "b": (3, 7)}  # 2,500 elements: three sub-groups; 21: o
 @pytest.fixture(autouse=True)
 def small_sub_groups(monkeypatch):
     small = functools.partial(nvme_adam.sub_groups, group_numel=GROUP_NUMEL)
-    for module in (nvme_adam, early_adam, store_module, units):
+    for module in (nvme_adam, early_adam, store_module, store_grads, units):  # every module that cuts sub-groups
         monkeypatch.setattr(module, "sub_groups", small)
 
 
@@ -88,7 +88,7 @@ class Side:
             stepped = self.adam.steps.get(record.uid, 0) > 0  # the moments exist from the first step on
             for state in ("master", "exp_avg", "exp_avg_sq") if stepped else ("master",):
                 out[f"{name}.{state}"] = torch.cat([
-                    self.store._read_swap(record.swap, state_key(state, record.uid, index), torch.float32,
+                    self.store.read_swap(record.swap, state_key(state, record.uid, index), torch.float32,
                                           stop - start, torch.device("cpu"))
                     for index, (start, stop) in enumerate(nvme_adam.sub_groups(record.local_numel))])
             out[f"{name}.param"] = self.store.full_param(record)

@@ -9,11 +9,16 @@ op and the unit instead of pairing with another transfer.
 
 from __future__ import annotations
 
+import itertools
+import types
+
 import pytest
 import torch
 
 from zinf_compiler.runtime.ledger import ZinfStoreError
 from zinf_compiler.runtime.store import ParamStore
+from zinf_compiler.runtime.transfers import LEGAL_TRANSITIONS, Transfer, TransferState as State, TransferTable
+from zinf_compiler.runtime.transfers import ZinfTransferError
 
 
 @pytest.fixture
@@ -86,8 +91,70 @@ def test_a_wait_without_its_start_raises_naming_the_op_and_the_unit(store, op):
 
 def test_a_copy_to_the_device_of_an_nvme_unit_before_its_read_raises(store):
     _, record = _adopt(store, "nvme")
-    with pytest.raises(ZinfStoreError, match=r"cg_start \(after a finished nc\) for w without a matching start"):
+    with pytest.raises(ZinfTransferError, match=r"cg_start for w without a matching start: it needs a transfer that "
+                                                r"is read, and the unit has nothing in flight"):
         store.cg_start(store.unit([record]))
+
+
+def test_the_state_table_allows_exactly_the_documented_moves():
+    """Every (from, to, op) triple: the documented moves succeed, every other one raises and moves nothing."""
+    unit = types.SimpleNamespace(key="u", name="u")
+    ops = sorted(set(LEGAL_TRANSITIONS.values()))
+    assert ops == ["cg_start", "cg_wait", "gather_start", "gather_wait", "nc_start", "nc_wait",
+                   "reduce_grad_start", "reduce_grad_wait"]
+    moved = 0
+    for source, target, op in itertools.product(State, State, ops):
+        table = TransferTable()
+        if source is not State.NEW:
+            table._by_unit["u"] = [Transfer("u", state=source)]  # a transfer already in ``source``
+        if LEGAL_TRANSITIONS.get((source, target)) == op:
+            transfer = table.move(unit, op, source, target)
+            assert transfer.state is target and table.has(unit, target) == (target is not State.DONE)
+            moved += 1
+        else:
+            with pytest.raises(ZinfTransferError, match=op):
+                table.move(unit, op, source, target)
+            assert [t.state for t in table] == ([] if source is State.NEW else [source])
+    assert moved == len(LEGAL_TRANSITIONS) == 10
+
+
+def _drive_to(store: ParamStore, unit, state: State) -> None:
+    """Move a fresh nvme unit's one transfer to ``state`` by the ops the graph would call."""
+    steps = {State.READING: ["nc_start"], State.READ: ["nc_start", "nc_wait"],
+             State.COPYING: ["nc_start", "nc_wait", "cg_start"],
+             State.STAGED: ["nc_start", "nc_wait", "cg_start", "cg_wait"],
+             State.GATHERING: ["gather_start"], State.NEW: []}
+    if state is State.REDUCING:
+        store.reduce_grad_start(unit, [torch.ones(6, 5)])
+        return
+    for op in steps[state]:
+        getattr(store, op)(unit)
+
+
+# The ops that continue a transfer, and the state each needs (for an nvme unit).
+_CONTINUING = {"nc_wait": State.READING, "cg_start": State.READ, "cg_wait": State.COPYING,
+               "gather_wait": State.GATHERING, "reduce_grad_wait": State.REDUCING}
+
+
+@pytest.mark.parametrize("op", sorted(_CONTINUING))
+def test_every_op_that_continues_a_transfer_raises_from_every_other_state(store, op):
+    """In the store: the op works from its state and raises from each other one, leaving the transfer where it was."""
+    _, record = _adopt(store, "nvme")
+    record.param.requires_grad_(True)
+    unit = store.unit([record])
+    for state in (State.NEW, State.READING, State.READ, State.COPYING, State.STAGED, State.GATHERING,
+                  State.REDUCING):
+        _drive_to(store, unit, state)
+        if state is _CONTINUING[op]:
+            getattr(store, op)(unit)
+            assert not store._transfers.has(unit, state)
+        else:
+            with pytest.raises(ZinfTransferError, match=rf"{op} for w without a matching start: it needs a "
+                                                        rf"transfer that is {_CONTINUING[op].value}"):
+                getattr(store, op)(unit)
+            assert [t.state for t in store._transfers] == ([] if state is State.NEW else [state])
+        store.abandon_transfers()
+        assert not store._transfers and store.pinned.in_use_bytes == 0 and store.transient["device"] == 0
 
 
 def test_transfers_of_one_unit_pair_first_in_first_out_and_units_do_not_mix(store):
@@ -160,11 +227,12 @@ def test_a_collected_parameter_frees_its_shard_and_its_counted_bytes(store):
 
 
 def test_a_parameter_keeps_the_mesh_it_was_adopted_with(store):
-    from zinf_compiler.runtime.comm import COMM, MeshComm
+    from zinf_compiler.runtime.comm import MeshComm
+    from zinf_compiler.runtime.process import RUNTIME
 
     param = torch.nn.Parameter(torch.randn(4, 4))
     record = store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32")
-    assert record.mesh is COMM.mesh() and record.mesh.is_default and record.mesh.everyone is COMM
-    assert store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=COMM.mesh()) is record
+    assert record.mesh is RUNTIME.comm.mesh() and record.mesh.is_default and record.mesh.everyone is RUNTIME.comm
+    assert store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=RUNTIME.comm.mesh()) is record
     with pytest.raises(ZinfStoreError, match="same stage, partition, param_dtype, offload options and mesh"):
-        store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=MeshComm(COMM))
+        store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=MeshComm(RUNTIME.comm))

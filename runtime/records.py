@@ -1,0 +1,229 @@
+"""One adopted parameter's record, the store's constants, and the small helpers its parts share."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from .aio import ALIGNMENT, AioEngine, AioError
+from .comm import MeshComm
+from .ledger import Ledger, ZinfStoreError
+from .units import ParamLayout
+
+
+# A transfer waiting this long for pinned memory means the pool is too small
+# for what is in flight: an error naming pinned_bytes beats a hang.
+POOL_WAIT_SECONDS = 120.0
+# Gradient sub-groups being written to swap at once (nvme optimizer tier):
+# enough to keep the disk busy while backward goes on, few enough that the
+# pinned pool's optimizer share covers them.
+GRAD_WRITES_IN_FLIGHT = 2
+
+# Gathered bytes one bucket may hold (option bucket_bytes; see runtime/units.py).
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class ParamRecord(ParamLayout):
+    """One adopted parameter: its fixed layout (:class:`ParamLayout`) and this rank's state of it."""
+
+    # Weak: the store must not keep a dropped model alive (see ParamStore.adopt).
+    param_ref: "weakref.ref[torch.nn.Parameter]"
+    param_id: int  # id() of the parameter, its key in the store
+    # The resting shard in compute dtype: on the device or on the CPU; for the
+    # nvme tier an empty tensor (the data is in the swap file ``param.<uid>``,
+    # or in the master's files: see ParamLayout.params_in_master).
+    shard: torch.Tensor
+    # fp32 master of this rank's slice for device/cpu optimizer tiers (the
+    # shard itself when they coincide); None for the nvme tier (swap files).
+    master: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None  # fp32 on the optimizer's device/cpu tier, accumulated
+    # nvme optimizer tier: the accumulated fp32 gradient slice is in the swap
+    # files ``grad.<uid>.<i>`` (one per optimizer sub-group) instead of memory;
+    # its squared norm is kept for clipping, which scales it lazily by
+    # ``grad_multiplier`` when the step reads it.
+    grad_on_disk: bool = False
+    # nvme optimizer tier within the option nvme_grad_ram_bytes: the gradient
+    # stays in ``grad_shard`` (CPU memory) and the step reads it from there.
+    grad_in_ram: bool = False
+    grad_sq_norm: float = 0.0
+    grad_multiplier: float = 1.0
+    swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
+    # nvme optimizer tier, tiled: reduced gradient tiles collected in CPU memory
+    # until every tile of this backward has arrived: (buffer, tiles done).
+    grad_pending: "tuple[torch.Tensor, set] | None" = None
+    full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
+    # Gathered bytes a bucket of the optimizer's own collectives (stages 1-2) may reach (option bucket_bytes).
+    bucket_bytes: int = 0
+    _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
+    # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
+    synced_version: int = 0
+    # The ranks it is sharded over (and, for HSDP, replicated across); set at adoption.
+    mesh: "MeshComm | None" = None
+    # Its optimizer step may run during backward, as its gradient lands (option overlap_optimizer;
+    # runtime/early_adam.py): stage 3 with shard and optimizer state on NVMe, nvme_copies=2.
+    step_in_backward: bool = False
+    # A weak reference to what takes those early steps (EarlyAdam), once an optimizer is bound.
+    grad_listener: "weakref.ref | None" = None
+
+    @property
+    def ledger(self) -> "Ledger":
+        return self._ledger.root()
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        param = self.param_ref()
+        if param is None:
+            raise ZinfStoreError(f"parameter {self.name} was garbage-collected; its zinf state is gone")
+        return param
+
+    @property
+    def trainable(self) -> bool:
+        param = self.param_ref()
+        return param is not None and param.requires_grad
+
+    @property
+    def has_grad(self) -> bool:
+        return self.grad_shard is not None or self.grad_on_disk
+
+
+def grad_listener_of(record: ParamRecord):
+    """What steps ``record`` during backward (an EarlyAdam), if anything does now."""
+    return record.grad_listener() if record.grad_listener is not None else None
+
+
+def tier_memory(tier: str) -> str:
+    """The memory a tier's tensors occupy: nvme-tier state is staged in CPU memory."""
+    return "device" if tier == "device" else "cpu"
+
+
+def finish_oldest_write(writes: list) -> None:
+    """Wait for the oldest (request or requests, pinned staging) of ``writes`` and give its buffer back.
+
+    Every request of the entry finishes before its buffer goes back (the pool
+    may hand it out again at once).  A failed write inside a swap transaction
+    is not raised here: the transaction raises it when it ends and commits
+    nothing, while raising here would stop the optimizer step with some
+    masters stepped and others not.  A failed write outside one raises, once
+    the rest of ``writes`` has finished too, so none of them surfaces later
+    as a stale error.
+    """
+    requests, staging = writes.pop(0)
+    failure = None
+    try:
+        for request in requests if isinstance(requests, list) else [requests]:
+            try:
+                request.wait()
+            except AioError as err:
+                if not request.in_transaction and failure is None:
+                    failure = err
+    finally:
+        staging.release()
+    if failure is not None:
+        while writes:
+            rest, rest_staging = writes.pop(0)
+            for request in rest if isinstance(rest, list) else [rest]:
+                try:
+                    request.wait()
+                except AioError:
+                    pass  # the first failure is the one reported
+            rest_staging.release()
+        raise failure
+
+
+class DoneWork:
+    """A transfer step with nothing in flight (world size 1): waiting returns at once."""
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = DoneWork()
+
+
+def finish_copies(works: list, staging) -> None:
+    """cg copies are done for the graph; their pinned staging buffer (nc) goes back once the host sees them done."""
+    if staging is None:
+        for work in works:
+            work.wait()
+        return
+    try:
+        for work in works:
+            work.synchronize()
+    finally:
+        staging.release()
+    for work in works:
+        work.wait()
+
+
+def nbytes_of(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor``'s elements (not of its storage)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def move_to_empty_storage(param: torch.nn.Parameter) -> None:
+    """Point ``param`` (same object, shape, strides, dtype and device) at a new empty storage of its
+    own; its old storage stays, untouched, with the other tensors holding it."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        # (No op makes a tensor of this shape on an empty storage: ``set_`` grows the storage to fit.
+        # So this allocates the parameter's bytes for a moment; CPU memory never touched costs nothing.)
+        empty = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+        empty.untyped_storage().resize_(0)
+        param.data = empty
+
+
+def checked_tile_rows(tile_rows, param: torch.Tensor) -> tuple[int, ...] | None:
+    """``tile_rows`` as a tuple of ints, checked to split ``param``'s rows (None: not tiled)."""
+    if tile_rows is None:
+        return None
+    tile_rows = tuple(int(rows) for rows in tile_rows)
+    if param.dim() < 2 or sum(tile_rows) != param.shape[0] or min(tile_rows) < 1:
+        raise ZinfStoreError(f"tile_rows {tile_rows} do not split the {tuple(param.shape)} parameter's rows")
+    return tile_rows
+
+
+def padded_view(view, offset: int, nbytes: int):
+    """``view`` from ``offset`` for ``nbytes`` rounded up to the O_DIRECT alignment (never past its end)."""
+    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    return view[offset : min(len(view), offset + padded)]
+
+
+def local_slice(flat: torch.Tensor, holding_dtype: torch.dtype, partition: str, owner: int | None, tile_rows,
+                 world_size: int, rank: int, tile_align: int) -> torch.Tensor:
+    """This rank's slice of a full flat parameter, in ``holding_dtype`` (fp32, or an integer dtype)."""
+    if partition == "broadcast":
+        return flat.to(holding_dtype, copy=True) if rank == owner else flat.new_empty(0, dtype=holding_dtype)
+    if tile_rows is not None:
+        return tile_major_slice(flat, tile_rows, world_size, rank, tile_align)
+    shard_numel = -(-flat.numel() // world_size)
+    local = torch.zeros(shard_numel, dtype=holding_dtype, device=flat.device)
+    start = rank * shard_numel
+    stop = min(start + shard_numel, flat.numel())
+    if stop > start:
+        local[: stop - start].copy_(flat[start:stop])
+    return local
+
+
+def tile_major_slice(flat: torch.Tensor, tile_rows, world_size: int, rank: int, align: int = 1) -> torch.Tensor:
+    """This rank's fp32 shard of a tiled parameter: its padded slice of every row tile, in tile order.
+
+    Each slice takes a multiple of ``align`` elements (see ParamRecord.tile_align).
+    """
+    row_numel = flat.numel() // sum(tile_rows)
+    pieces, start = [], 0
+    for rows in tile_rows:
+        tile = flat[start : start + rows * row_numel]
+        start += rows * row_numel
+        tile_shard_numel = -(-tile.numel() // world_size)
+        piece = torch.zeros(-(-tile_shard_numel // align) * align, dtype=torch.float32, device=flat.device)
+        lo, hi = rank * tile_shard_numel, min((rank + 1) * tile_shard_numel, tile.numel())
+        if hi > lo:
+            piece[: hi - lo].copy_(tile[lo:hi])
+        pieces.append(piece)
+    return torch.cat(pieces)
+
+

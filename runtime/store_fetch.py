@@ -1,0 +1,193 @@
+"""Fetching a unit's parameters for the graph: nc, cg and the gather (part of ParamStore).
+
+The graph's ``zinf`` ops call these in pairs (start, wait); each started
+transfer is a state in :mod:`.transfers`, moved only by these methods.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .aio import AioError
+from .comm import Comm
+from .ledger import Ledger, ZinfStoreError
+from .transfers import Transfer, TransferState as State
+from .records import DONE, POOL_WAIT_SECONDS, ParamRecord, finish_copies, nbytes_of, padded_view
+from .units import Unit, unit_of
+
+
+class FetchSteps:
+    """The fetch steps of :class:`~.store.ParamStore` (uses its ``_units``, ``_transfers`` and pinned pool).
+
+    One state machine for every unit (a whole parameter, a row tile of one, a
+    bucket of parameters): nc (NVMe -> pinned buffer), cg (pinned or CPU shard
+    -> device), gather (all-gather or broadcast), then release.  A unit's
+    transfers in the same state advance first in first out, as the graph's
+    ops pair starts with waits in order (see :mod:`.transfers`).
+    """
+
+    def unit(self, records: Iterable[ParamRecord], tile: int | None = None) -> Unit:
+        """The unit of ``records`` (a bucket), or of one record's row ``tile``; built once, then cached."""
+        records = list(records)
+        key = tuple((record.uid, tile) for record in records)
+        unit = self._units.get(key)  # uids never repeat, and _free drops a freed record's units
+        if unit is None:
+            if tile is not None and (records[0].tile_rows is None or not 0 <= tile < len(records[0].tile_rows)):
+                raise ZinfStoreError(f"tile {tile} of {records[0].name}, which has tile rows {records[0].tile_rows}")
+            unit = self._units[key] = unit_of(records, tile)
+        return unit
+
+    def _ledger_of(self, unit: Unit) -> "Ledger":
+        return unit.pieces[0].layout.ledger
+
+    @staticmethod
+    def _shard_comm(unit: Unit) -> Comm:
+        """The group the unit's parameters are sharded over (one per unit: see _bucketed)."""
+        return unit.pieces[0].layout.mesh.shard
+
+    def nc_start(self, unit: Unit) -> None:
+        """Start reading the unit's shards (nvme tier) from their swap keys into one pinned buffer."""
+        staging = self.pinned_pool(unit.sizes.pinned).acquire(unit.sizes.pinned, timeout=POOL_WAIT_SECONDS)
+        view = staging.memoryview()
+        itemsize = unit.compute_dtype.itemsize
+        requests = []
+        for piece, at in zip(unit.pieces, unit.staging_offsets):
+            record = piece.layout
+            for key, start, numel in piece.reads:
+                offset = at + start * itemsize
+                requests.append(record.swap.read(key, padded_view(view, offset, numel * itemsize), numel * itemsize))
+        transfer = self._transfers.move(unit, "nc_start", State.NEW, State.READING)
+        transfer.staging, transfer.pending = staging, requests
+
+    def nc_wait(self, unit: Unit) -> None:
+        self._advance_background()
+        transfer = self._transfers.move(unit, "nc_wait", State.READING, State.READ)
+        for request in transfer.pending:
+            request.wait()  # raises AioError for a failed read; abandon_transfers gives the buffer back
+        transfer.pending = []
+
+    def cg_start(self, unit: Unit) -> None:
+        """Start copying the unit's local input (CPU shards, or the nc buffer) to the device."""
+        from_nvme = unit.pieces[0].layout.param_tier == "nvme"
+        transfer = self._transfers.move(unit, "cg_start", State.READ if from_nvme else State.NEW, State.COPYING)
+        staging = transfer.staging
+        self._add_transient("device", unit.sizes.local, what=f"cg_start of {unit.name}", ledger=self._ledger_of(unit))
+        on_device = torch.empty(unit.local_numel, dtype=unit.compute_dtype, device=unit.device)
+        works, at = [], 0
+        for index, piece in enumerate(unit.pieces):
+            numel = piece.local_numel
+            if numel == 0:
+                continue
+            if staging is not None:
+                start = unit.staging_offsets[index] // unit.compute_dtype.itemsize + piece.staged_start
+                source = staging.tensor(unit.compute_dtype, start + numel)[start:]
+            else:
+                start, stop = piece.local_range
+                source = piece.layout.shard[start:stop]
+            works.append(self.copier.copy(on_device[at : at + numel], source, "cg", f"cg {piece.layout.name}"))
+            at += numel
+        transfer.value, transfer.pending = on_device, works
+
+    def cg_wait(self, unit: Unit) -> None:
+        transfer = self._transfers.move(unit, "cg_wait", State.COPYING, State.STAGED)
+        works, staging, transfer.pending, transfer.staging = transfer.pending, transfer.staging, [], None
+        finish_copies(works, staging)
+
+    def _start_gather_from_local_input(self, unit: Unit) -> tuple[Transfer, torch.Tensor]:
+        """The unit's transfer, now gathering, and its local input on the device: staged by cg, cut from
+        shards resting there, or fetched now."""
+        if self._transfers.has(unit, State.STAGED):
+            transfer = self._transfers.move(unit, "gather_start", State.STAGED, State.GATHERING)
+            local, transfer.value = transfer.value, None
+            self._add_transient("device", -nbytes_of(local), ledger=self._ledger_of(unit))
+            return transfer, local
+        if unit.pieces[0].layout.param_tier == "device":
+            slices = [piece.layout.shard[piece.local_range[0] : piece.local_range[1]] for piece in unit.pieces]
+            transfer = self._transfers.move(unit, "gather_start", State.NEW, State.GATHERING)
+            return transfer, slices[0] if len(slices) == 1 else torch.cat(slices)
+        # No nc/cg ran for this use (outside a graph, or the offload pass is off): fetch synchronously.
+        if unit.pieces[0].layout.param_tier == "nvme":
+            self.nc_start(unit)
+            self.nc_wait(unit)
+        self.cg_start(unit)
+        self.cg_wait(unit)
+        return self._start_gather_from_local_input(unit)
+
+    def gather_start(self, unit: Unit) -> None:
+        """Start assembling the unit's parameters (all-gather of slices, or broadcast from the owner)."""
+        transfer, local = self._start_gather_from_local_input(unit)
+        ledger = self._ledger_of(unit)
+        self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=ledger)
+        if unit.world_size == 1 and unit.partition == "allgather" and unit.pieces[0].layout.param_tier != "device":
+            # The cg step's fresh device copy already is the whole unit: no collective, no copy.
+            transfer.work, transfer.value = DONE, local
+            return
+        matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
+        if unit.partition == "allgather":
+            work = self._shard_comm(unit).all_gather_into(matrix, local, f"all_gather of {unit.name}",
+                                                          timeout=ledger.collective_timeout)
+        else:
+            owner = unit.pieces[0].layout.owner
+            if local.numel():
+                matrix.copy_(local)
+            work = self._shard_comm(unit).broadcast(matrix, src=owner, what=f"broadcast of {unit.name}",
+                                                    timeout=ledger.collective_timeout)
+        transfer.work, transfer.value = work, matrix
+
+    def gather_wait(self, unit: Unit) -> list[torch.Tensor]:
+        """Finish the oldest gather of ``unit``: each piece's full value, in its parameter's dtype."""
+        transfer = self._transfers.move(unit, "gather_wait", State.GATHERING, State.DONE)
+        matrix = transfer.value
+        transfer.work.wait()
+        ledger = self._ledger_of(unit)
+        # A bucket's values are copied out of the matrix; both exist until this returns.
+        copy_out = unit.sizes.copy_out
+        if copy_out:
+            self._add_transient("device", copy_out, what=f"gather_wait of {unit.name} (copy-out)", ledger=ledger)
+        try:
+            values = []
+            for index, piece in enumerate(unit.pieces):
+                value = piece.assemble(unit.column_block(matrix, index))
+                if value.dtype != piece.layout.dtype:
+                    value = value.to(piece.layout.dtype)
+                values.append(value)
+        finally:
+            if copy_out:
+                self._add_transient("device", -copy_out, ledger=ledger)
+        return values
+
+    def release(self, unit: Unit) -> None:
+        """The graph is done with the unit's gathered values: they no longer count as held.
+
+        The memory itself goes when the graph drops its last reference, right
+        after this op (the generated code frees values after their last use).
+        """
+        self._add_transient("device", -unit.sizes.gathered, ledger=self._ledger_of(unit))
+
+
+    def abandon_transfers(self) -> None:
+        """Forget every transfer in flight (a graph raised half way): give back pinned buffers and counted bytes.
+
+        Transfers still running finish into buffers nobody reads; without this
+        the next call would pair its waits with the stale starts.  Called
+        between top-level graph calls, where nothing may be gathered or in flight.
+        """
+        if not self._transfers and self.process.transient["device"] == 0:
+            return
+        for transfer in self._transfers:
+            if transfer.state in (State.READING, State.READ):
+                for request in transfer.pending:
+                    try:
+                        request.wait()
+                    except AioError:
+                        pass  # the read's buffer is discarded either way
+                transfer.staging.release()
+            elif transfer.state is State.COPYING:
+                finish_copies(transfer.pending, transfer.staging)
+        self._transfers.clear()
+        self.process.transient["device"] = 0
+        for record in self._records.values():
+            record.ledger.transient["device"] = 0
+

@@ -1,0 +1,297 @@
+"""Gradients: reduced over ranks, accumulated into this rank's shard, swapped to NVMe (part of ParamStore)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .aio import AioError
+from .nvme_adam import state_key, sub_groups
+from .grad_hooks import run_grad_hooks
+from .ledger import ZinfStoreError
+from .transfers import TransferState as State
+from .records import (DONE, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
+                      tier_memory)
+from .units import Segment, Unit, can_share_unit
+
+
+class GradientSteps:
+    """The gradient steps of :class:`~.store.ParamStore` (uses its records, transfers, swap writes and ledgers).
+
+    A gradient reaches its shard by ``reduce_grad_start`` / ``reduce_grad_wait``
+    (from the graph) or :meth:`reduce_full_grads` (stages 1-2, after
+    backward); nvme optimizer tiers write it to swap per sub-group, or keep
+    it in RAM within ``nvme_grad_ram_bytes``, and tell an early-stepping
+    optimizer (runtime/early_adam.py) as it lands.
+    """
+
+    def reduce_grad_start(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        """Start averaging each piece's gradient over ranks into this rank's slices (or to the owner)."""
+        ledger = self._ledger_of(unit)
+        if len(grads) != len(unit.pieces):
+            raise ZinfStoreError(f"reduce_grad_start of {unit.name}: {len(grads)} gradients for "
+                                 f"{len(unit.pieces)} parameters")
+        # The gradients the graph hands over are device memory too, until this op returns.
+        grad_bytes = sum(nbytes_of(grad) for grad in grads)
+        self._add_transient("device", grad_bytes, what=f"reduce_grad_start of {unit.name}", ledger=ledger)
+        try:
+            flats = []
+            for piece, grad in zip(unit.pieces, grads):
+                if piece.tile is None:
+                    # Hooks see the whole local gradient before it is averaged, as in eager and DDP.
+                    grad = run_grad_hooks(piece.layout.param, grad.detach(), piece.layout.name)
+                flat = grad.detach().reshape(-1)
+                if flat.numel() != piece.numel:
+                    raise ZinfStoreError(f"reduce_grad_start of {piece.layout.name}: a gradient of {flat.numel()} "
+                                         f"elements for {piece.numel}")
+                if unit.compute_dtype == torch.float16:
+                    flat = flat * ledger.fp16_scaler.scale  # keep small gradients representable in fp16
+                flats.append(flat)
+            if unit.sizes.reduce == 0:
+                # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
+                for index, (piece, flat) in enumerate(zip(unit.pieces, flats)):
+                    if piece.segments != (Segment(0, piece.numel, 0, piece.width),):
+                        padded = torch.zeros(piece.width, dtype=torch.float32, device=unit.device)
+                        piece.scatter(flat, padded.view(1, -1))
+                        flat = padded
+                    self._accumulate(piece, flat, private=False)
+                transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
+                transfer.work = DONE  # and no value: added already
+                return
+            self._add_transient("device", unit.sizes.reduce, what=f"reduce_grad_start of {unit.name}",
+                                ledger=ledger)
+            matrix = torch.zeros(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
+            for index, (piece, flat) in enumerate(zip(unit.pieces, flats)):
+                piece.scatter(flat, unit.column_block(matrix, index))
+            if unit.rows > 1:
+                out = torch.empty(unit.columns, dtype=unit.compute_dtype, device=unit.device)
+                work = self._shard_comm(unit).reduce_scatter_avg(
+                    out, matrix, f"reduce_scatter of the gradient of {unit.name}", timeout=ledger.collective_timeout)
+            elif unit.world_size > 1:  # broadcast partition: summed on the owner
+                out = matrix
+                work = self._shard_comm(unit).reduce_sum(matrix, dst=unit.pieces[0].layout.owner,
+                                                         what=f"reduce of the gradient of {unit.name}",
+                                                         timeout=ledger.collective_timeout)
+            else:
+                out, work = matrix, DONE  # world size 1, fp16 or broadcast: nothing to average
+            transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
+            transfer.work, transfer.value = work, out
+        finally:
+            self._add_transient("device", -grad_bytes, ledger=ledger)
+
+    def reduce_grad_wait(self, unit: Unit) -> None:
+        """Finish the oldest reduce of ``unit`` and add each piece's slice to its gradient shard.
+
+        The gradient shard lives where the optimizer steps: on the device, or
+        in CPU memory for cpu and nvme optimizer tiers (the device-to-CPU copy
+        happens here, right after the reduction).
+        """
+        transfer = self._transfers.move(unit, "reduce_grad_wait", State.REDUCING, State.DONE)
+        out = transfer.value
+        transfer.work.wait()
+        self._advance_background()
+        if out is None:
+            return  # added at the start (world size 1)
+        ledger = self._ledger_of(unit)
+        self._add_transient("device", -unit.sizes.reduce, ledger=ledger)
+        if unit.partition == "broadcast":
+            if unit.pieces[0].layout.rank != unit.pieces[0].layout.owner:
+                return
+            if unit.world_size > 1:
+                out = out / unit.world_size
+        # HSDP: the shard group's average, averaged across the replicas holding the same slice.
+        unit.pieces[0].layout.mesh.average_replicas(out, f"all_reduce of the gradient of {unit.name} across replicas",
+                                                    ledger.collective_timeout)
+        if unit.compute_dtype == torch.float16:
+            scaler = self._ledger_of(unit).fp16_scaler  # the model's own (one model's overflow is not another's)
+            out = out.to(torch.float32) / scaler.scale
+            scaler.check(out)
+        whole = len(unit.pieces) == 1  # ``out`` is then the piece's own, fresh tensor
+        for index, piece in enumerate(unit.pieces):
+            start = unit.offsets[index]
+            self._accumulate(piece, out[start : start + piece.width], private=whole)
+
+    def _accumulate(self, piece, reduced: torch.Tensor, private: bool) -> None:
+        """Add a piece's reduced slice into its parameter's gradient shard (or its swap files).
+
+        ``private``: ``reduced`` is a fresh tensor nobody else holds (it may become the shard).
+        """
+        record = piece.layout
+        start, stop = piece.local_range
+        if stop == start:
+            return
+        if record.opt_tier == "nvme" and not record.grad_in_ram:
+            if (start, stop) == (0, record.local_numel):
+                self._swap_grad(record, reduced)
+                return
+            # A tile: the swap files take the whole slice, so tiles collect in CPU memory first.
+            if record.grad_pending is None:
+                record.grad_pending = (torch.zeros(record.local_numel, dtype=torch.float32), set())
+                self._add_transient("cpu", nbytes_of(record.grad_pending[0]), ledger=record.ledger)
+            collected, done = record.grad_pending
+            collected[start:stop].copy_(reduced)
+            done.add(piece.tile)
+            if len(done) == len(record.tile_rows):
+                record.grad_pending = None
+                self._add_transient("cpu", -nbytes_of(collected), ledger=record.ledger)
+                self._swap_grad(record, collected)
+            return
+        grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
+        if record.grad_shard is None:
+            if (private and (start, stop) == (0, record.local_numel) and reduced.dtype == torch.float32
+                    and reduced.device == grad_device):
+                record.grad_shard = reduced  # already a copy of our own, in fp32 where the optimizer steps
+            else:
+                record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
+                record.grad_shard[start:stop].copy_(reduced)
+            self._add_resting(tier_memory(record.opt_tier), nbytes_of(record.grad_shard), ledger=record.ledger)
+        else:
+            record.grad_shard[start:stop].add_(reduced.to(grad_device))
+        listener = grad_listener_of(record)
+        if listener is not None and listener.arrival(record, piece.tile):
+            listener.start(record, record.grad_shard, owned=False)
+
+    def _bucketed(self, records: list[ParamRecord]) -> list[Unit]:
+        """Units of ``records`` for the optimizer's own collectives: buckets of up to ``bucket_bytes`` gathered."""
+        units, bucket, held = [], [], 0
+        for record in records:
+            nbytes = record.gathered_numel * record.compute_dtype.itemsize
+            if bucket and (held + nbytes > record.bucket_bytes or not can_share_unit(bucket[0], record)
+                           or record.mesh is not bucket[0].mesh):
+                units.append(self.unit(bucket))
+                bucket, held = [], 0
+            bucket.append(record)
+            held += nbytes
+        if bucket:
+            units.append(self.unit(bucket))
+        return units
+
+    def reduce_full_grads(self, records: Iterable[ParamRecord]) -> None:
+        """Stage 1: reduce the full ``param.grad`` of each record into its gradient shard, bucketed."""
+        records = [record for record in records if record.param.grad is not None]
+        units = self._bucketed(records)
+        for unit in units:
+            self.reduce_grad_start(unit, [piece.layout.param.grad for piece in unit.pieces])
+        for unit in units:
+            self.reduce_grad_wait(unit)
+        for record in records:
+            record.param.grad = None
+
+    def _swap_grad(self, record: ParamRecord, reduced: torch.Tensor) -> None:
+        """nvme optimizer tier: add a reduced gradient slice to its swap files, sub-group by sub-group.
+
+        The optimizer step streams the gradient from there along with the
+        master and moments, so no gradient shard stays in memory.  Writes run
+        in the background, at most GRAD_WRITES_IN_FLIGHT sub-groups at once;
+        :meth:`finish_grad_writes` drains them.
+
+        A swap write or read that fails (ENOSPC, EIO, ...) does not raise here:
+        raising would stop the backward graph half way, leaving its other
+        transfers in flight.  The record's gradient is marked lost instead,
+        and :meth:`finish_grad_writes` refuses the step until
+        :meth:`drop_grads` (``opt.zero_grad()``) discards it.
+        """
+        reduced = reduced.to(device="cpu", dtype=torch.float32)
+        accumulating = record.grad_on_disk
+        # From here on its gradient files may exist: drop_grads deletes them whatever happens below.
+        record.grad_on_disk = True
+        if accumulating:
+            # A read must see the previous backward's writes.
+            self._drain_grad_writes(0)
+        listener = grad_listener_of(record)
+        step_now = listener is not None and listener.arrival(record, None)
+        if record.uid in self._lost_grads:
+            return  # already incomplete: nothing to add to, the step refuses it until zero_grad
+        # The whole gradient for an early step (runtime/early_adam.py), a copy of its own: ``reduced`` may be
+        # memory the compiled graph reuses once this op returns, and an accumulated one is only in the staging.
+        total = torch.empty(record.local_numel, dtype=torch.float32) if step_now else None
+        sq_norm = 0.0
+        for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
+            numel, key = stop - start, state_key("grad", record.uid, index)
+            self._drain_grad_writes(GRAD_WRITES_IN_FLIGHT - 1)
+            staging = self.pinned_pool(numel * 4).acquire(numel * 4, timeout=POOL_WAIT_SECONDS)
+            try:
+                group = staging.tensor(torch.float32, numel)
+                if accumulating:
+                    record.swap.read(key, staging, numel * 4).wait()
+                    group.add_(reduced[start:stop])
+                else:
+                    group.copy_(reduced[start:stop])
+                if total is not None:
+                    total[start:stop].copy_(group)
+                sq_norm += float(torch.linalg.vector_norm(group, dtype=torch.float64)) ** 2
+                request = record.swap.write(key, staging, numel * 4)
+            except AioError as err:
+                staging.release()
+                self._lost_grads.setdefault(record.uid, err)
+                return
+            except BaseException as err:
+                staging.release()
+                self._lost_grads.setdefault(record.uid, err)  # stopped half way: its files hold a mix
+                raise
+            self._grad_writes.append((request, staging, record))
+        record.grad_sq_norm = sq_norm
+        record.grad_multiplier = 1.0
+        if total is not None:
+            listener.start(record, total, owned=True)
+
+    def _drain_grad_writes(self, keep: int) -> None:
+        """Wait for the oldest gradient writes until ``keep`` are in flight; give their buffers back.
+
+        A failed write marks its record's gradient lost (see :meth:`_swap_grad`)
+        and is not raised here, so no later call meets it as a stale error.
+        """
+        while len(self._grad_writes) > keep:
+            request, staging, record = self._grad_writes.pop(0)
+            try:
+                request.wait()
+            except AioError as err:
+                self._lost_grads.setdefault(record.uid, err)
+            finally:
+                staging.release()
+
+    def finish_grad_writes(self, records: Iterable[ParamRecord] | None = None) -> None:
+        """Wait for every gradient swap write in flight (before the step reads them).
+
+        Raises :class:`AioError` if the gradient of one of ``records`` (default:
+        any) is incomplete because a swap write or read of it failed: a step
+        would train on a partial gradient.  Nothing is changed then; after
+        ``opt.zero_grad()`` the next backward writes the gradients afresh.
+        """
+        self._drain_grad_writes(0)
+        uids = None if records is None else {record.uid for record in records}
+        lost = [(uid, err) for uid, err in self._lost_grads.items() if uids is None or uid in uids]
+        if not lost:
+            return
+        names = [self._records[uid].name if uid in self._records else f"#{uid}" for uid, _ in lost]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        first = lost[0][1]
+        raise AioError(
+            f"optimizer step refused: the gradient of {len(lost)} parameter(s) ({shown}) could not be written to "
+            f"its NVMe swap files during backward, and a step on a partial gradient would mix steps; no parameter "
+            f"or optimizer state was changed. Free space under nvme_path (or point nvme_path at a bigger disk), "
+            f"then call opt.zero_grad() (it discards the incomplete gradients) and run the backward again. "
+            f"The first failure: {first}"
+        ) from first
+
+    def drop_grads(self, records: Iterable[ParamRecord]) -> None:
+        """Discard the gradients of ``records`` (``opt.zero_grad()``), incomplete ones included."""
+        for record in records:
+            listener = grad_listener_of(record)
+            if listener is not None:
+                listener.gradients_dropped(record)
+            if record.grad_shard is not None:
+                self._add_resting(tier_memory(record.opt_tier), -nbytes_of(record.grad_shard), ledger=record.ledger)
+                record.grad_shard = None
+            if record.grad_on_disk:
+                # Settles the writes in flight; a failure among them no longer matters to this record.
+                self._drain_grad_writes(0)
+                # Delete the files: the disk then holds what memory_report says.
+                for index in range(len(sub_groups(record.local_numel))):
+                    record.swap.forget(state_key("grad", record.uid, index))
+                record.grad_on_disk = False
+                record.grad_sq_norm = 0.0
+                record.grad_multiplier = 1.0
+            self._lost_grads.pop(record.uid, None)
+

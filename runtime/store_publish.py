@@ -1,0 +1,93 @@
+"""After an optimizer step: updated masters back to the parameters' tier and the full parameters (part of ParamStore)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .records import POOL_WAIT_SECONDS, ParamRecord, finish_oldest_write
+
+
+class PublishSteps:
+    """The publish steps of :class:`~.store.ParamStore` (uses its pinned pool, swap writes and transfers)."""
+
+    def publish(self, record: ParamRecord, master: torch.Tensor) -> None:
+        """Write an updated fp32 master slice back to the parameter tier, in compute dtype.
+
+        nvme tier: the write runs in the background (up to half the pinned
+        pool in flight); :meth:`finish_publish` waits for them.
+        """
+        if record.param_tier == "nvme":
+            if record.owns_state:
+                nbytes = record.shard_bytes
+                # Up to half the pinned pool in flight (at least one write): the
+                # optimizer steps the next chunk of masters meanwhile.
+                self._drain_publish_writes(max(self.pinned_pool(nbytes).capacity_bytes // 2 - nbytes, 0))
+                staging = self.pinned_pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS)
+                try:
+                    staging.tensor(record.compute_dtype, record.local_numel).copy_(master)
+                    requests = self.write_param(record, staging)
+                except BaseException:
+                    staging.release()
+                    raise
+                self._publish_writes.append((requests, staging))
+        elif master is not record.shard:
+            record.shard.copy_(master)
+
+    def _drain_publish_writes(self, keep_bytes: int) -> None:
+        """Wait for the oldest parameter writes until at most ``keep_bytes`` are in flight."""
+        while self._publish_writes and sum(staging.nbytes for _, staging in self._publish_writes) > keep_bytes:
+            finish_oldest_write(self._publish_writes)
+
+    def finish_publish(self) -> None:
+        """Wait for the parameter writes :meth:`publish` started (before their transaction ends)."""
+        self._drain_publish_writes(0)
+
+    def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
+        """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""
+        # Frozen parameters never change: nothing to rebuild, no collective to pay.
+        records = [r for r in records if r.stage in (1, 2) and r.trainable]
+        for record in records:
+            if self._shard_is_param(record):
+                record.synced_version = record.param._version  # the step's own in-place update
+        units = self._bucketed([r for r in records if not self._shard_is_param(r)])
+        for unit in units:
+            self.gather_start(unit)
+        for unit in units:
+            for piece, full in zip(unit.pieces, self.gather_wait(unit)):
+                piece.layout.param.data.copy_(full)
+            self.release(unit)
+
+    @staticmethod
+    def _shard_is_param(record: ParamRecord) -> bool:
+        """Whether the shard still is the parameter's storage (``param.data = other`` separates them:
+        from then on the parameter is rebuilt from the shard after each step, as at world size > 1)."""
+        return record.shard_is_param and record.shard.data_ptr() == record.param.data_ptr()
+
+    def sync_written_params(self, records: Iterable[ParamRecord]) -> None:
+        """Stages 1-2: carry in-place writes to a full parameter (``load_state_dict``, ``nn.init``,
+        ``p.mul_()`` under no_grad) into its shard and master, before the optimizer steps them.
+
+        Such writes bump the parameter's version counter; zinf's own refresh
+        writes through ``.data``, which does not.  (Writes through ``.data``
+        by the user are not seen.)
+        """
+        for record in records:
+            if record.stage not in (1, 2):
+                continue
+            param = record.param
+            if param._version != record.synced_version:
+                self.assign_full(record, param.detach())
+                record.synced_version = param._version
+
+    def full_param(self, record: ParamRecord) -> torch.Tensor:
+        """A full copy of the parameter's current value (collective: every rank must call)."""
+        if record.stage != 3:
+            return record.param.detach().clone()
+        unit = self.unit([record])
+        self.gather_start(unit)
+        full = self.gather_wait(unit)[0].clone()
+        self.release(unit)
+        return full
+
