@@ -12,4 +12,5 @@ PIPELINE: tuple = (tile, partition, activations, offload, schedule)
 
 
 def pass_names() -> tuple[str, ...]:
+    """The passes' names in pipeline order (what ``disable_passes`` accepts)."""
     return tuple(module.NAME for module in PIPELINE)

@@ -41,6 +41,7 @@ KINDS = ("forward", "backward")
 
 
 def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    """Tag what to recompute and insert activation offload ops (forward), per the activations plan."""
     if ctx.kind == "forward":
         ctx.facts["activations"] = _forward(gm.graph, ctx)
     else:
@@ -215,6 +216,7 @@ def _backward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
 
 
 def describe(ctx: GraphContext) -> list[str]:
+    """Lines for the dump's header: what the pass decided for this graph."""
     facts = ctx.facts.get("activations") or {}
     lines = []
     plan = ctx.captured.activation_plan
@@ -252,4 +254,5 @@ def describe(ctx: GraphContext) -> list[str]:
 
 
 def table(ctx: GraphContext) -> dict | None:
+    """The pass's per-activation decisions for the dump (None when it made none)."""
     return ctx.facts.get("activations")

@@ -29,6 +29,7 @@ KINDS = ("forward", "backward", "inference")
 
 
 def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    """Insert the nc/cg fetch ops before each gather of a parameter resting on the cpu or nvme tier."""
     tier = ctx.options.offload_param
     fetched = {}
     if tier != "none":

@@ -46,6 +46,7 @@ KINDS = ("forward", "backward", "inference")
 
 
 def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    """Insert the gather/release and gradient reduce ops of the ZeRO stage for every parameter."""
     stage = ctx.options.stage
     ctx.facts["gathered"] = _insert_gathers(gm.graph, ctx) if stage == 3 else []
     reduced = []

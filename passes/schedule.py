@@ -110,6 +110,7 @@ class _Reduce:
 
 
 def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    """Move each fetch's start ops ahead of use (the nc/cg/gg prefetch distances) within the byte budgets."""
     graph = gm.graph
     nodes = list(graph.nodes)
     fetches = _find_fetches(nodes, ctx)

@@ -205,6 +205,7 @@ def _feeds_matmul(node: torch.fx.Node, depth: int = 0) -> bool:
 
 
 def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    """Split each oversized matmul into row tiles whose parameter pieces are fetched one at a time."""
     ctx.facts["tiled"] = []
     ctx.facts["tiled_grads"] = {}
     tile_rows = getattr(ctx.captured, "tile_rows", {})

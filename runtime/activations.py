@@ -174,6 +174,7 @@ class ActivationStore:
         return engine
 
     def engines(self) -> list[AioEngine]:
+        """The swap engines activations were offloaded through (one per nvme_path)."""
         return list(self._engines.values())
 
     # --- staging ------------------------------------------------------------------------
@@ -228,6 +229,7 @@ class ActivationStore:
 
     @property
     def pool_bytes(self) -> int:
+        """Bytes of the pinned staging pool for activation offload (0 before any)."""
         return self._pool.capacity_bytes if self._pool is not None else 0
 
     # --- forward ------------------------------------------------------------------------
@@ -303,6 +305,7 @@ class ActivationStore:
         return handle
 
     def is_handle(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the CPU handle an offloaded activation left in the graph."""
         return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in self._by_address
 
     def offload_wait(self, handle: torch.Tensor) -> None:
@@ -370,6 +373,7 @@ class ActivationStore:
                 return
 
     def fetch_wait(self, handle: torch.Tensor) -> torch.Tensor:
+        """Finish the fetch of ``handle``'s activation: its value back on the device, as saved."""
         entry = self._entry(handle, "fetch_wait")
         if entry.fetch is None:
             self.fetch_start(handle)
@@ -471,6 +475,7 @@ class ActivationStore:
             entry.ledger.root().add_activations(entry.tier, delta)
 
     def live_entries(self) -> int:
+        """Offloaded activations not yet fetched and freed (0 between steps: none leaked)."""
         return len(self._entries)
 
     def count_saved(self, nodes: list, inputs: list, ledger) -> int:

@@ -181,14 +181,17 @@ class AioEngine:
 
     @property
     def bytes_written(self) -> int:
+        """Bytes of completed writes."""
         return self._state.bytes_written
 
     @property
     def bytes_read(self) -> int:
+        """Bytes of completed reads."""
         return self._state.bytes_read
 
     @property
     def busy_seconds(self) -> float:
+        """Seconds during which at least one piece was running (the disk's busy time seen from here)."""
         state = self._state
         with state.lock:
             running = time.perf_counter() - state.busy_since if state.pieces_running else 0.0

@@ -44,6 +44,7 @@ def human_bytes(count: float) -> str:
 
 
 def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 
@@ -82,6 +83,7 @@ class KeyCopy:
 
 
 class SwapKey:
+    """One swap key: its file, open descriptor, and the metadata (slot, size, checksums) of its good copy."""
     def __init__(self, name: str, path: str):
         self.name = name
         self.path = path
@@ -100,6 +102,7 @@ class SwapKey:
 
 
 class SwapTransaction:
+    """The writes of one ``with engine.transaction():`` block, committed together at its end."""
     def __init__(self):
         self.pending: dict[str, KeyCopy] = {}
         self.written: set[str] = set()  # every key a write was started for
@@ -109,6 +112,7 @@ class SwapTransaction:
 
 
 class SwapState:
+    """What an engine, its requests and its worker threads share, guarded by ``lock``."""
     def __init__(self, folder: str, direct: bool, block_size: int, queue_depth: int, copies: int, tracer: Tracer):
         self.tracer = tracer
         self.folder = folder
@@ -141,6 +145,7 @@ class SwapState:
 
     # Called with the lock held.
     def acquire_fd(self, key: SwapKey) -> int:
+        """The key's open file descriptor (opened, evicting the least recently used idle one, if needed)."""
         if key.fd is None:
             while len(self.open_files) >= MAX_OPEN_FILES:
                 idle = next((k for k in self.open_files.values() if k.fd_users == 0), None)
@@ -162,6 +167,7 @@ class SwapState:
         return key.fd
 
     def release_fd(self, key: SwapKey) -> None:
+        """A user of the key's descriptor is done with it (idle descriptors may be closed)."""
         key.fd_users -= 1
 
 
@@ -376,6 +382,7 @@ def _io_error(kind: str, key: SwapKey, state: SwapState, nbytes: int, file_offse
 
 
 def run_worker(state: SwapState) -> None:
+    """A worker thread's loop: run queued pieces (foreground first) until the engine stops."""
     while True:
         with state.lock:
             while not (state.queue or state.background and state.background_running < state.background_threads):
@@ -403,6 +410,7 @@ def run_worker(state: SwapState) -> None:
 
 
 def byte_view(buffer, writable: bool) -> memoryview:
+    """A flat byte view of ``buffer`` (a pinned buffer, a tensor's memory or a bytes-like object)."""
     view = buffer.memoryview() if hasattr(buffer, "memoryview") else memoryview(buffer)
     if view.ndim != 1 or view.format != "B":
         if not view.c_contiguous:
@@ -414,6 +422,7 @@ def byte_view(buffer, writable: bool) -> memoryview:
 
 
 def buffer_address(view: memoryview) -> int:
+    """The memory address of ``view``'s first byte (0 when empty), for the O_DIRECT alignment check."""
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 

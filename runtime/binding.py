@@ -39,6 +39,7 @@ class Binding:
         self.graph_id = graph_id
 
     def record(self, slot: int):
+        """The store record bound to input ``slot`` of this call; raises naming the graph if none is."""
         try:
             return self.records[slot]
         except KeyError:
@@ -52,6 +53,7 @@ _METADATA_KEY = "zinf_bound_graph"
 
 
 def current() -> Binding:
+    """The binding of the graph call running on this thread; raises when no zinf graph runs."""
     binding = getattr(_local, "binding", None)
     if binding is None:
         raise ZinfBindingError(

@@ -127,6 +127,7 @@ def write_file_atomic(path: str, data: bytes) -> int:
 
 
 def write_json_atomic(path: str, obj) -> int:
+    """Write ``obj`` as JSON to ``path`` atomically (see write_file_atomic); returns its CRC32."""
     return write_file_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
@@ -181,6 +182,7 @@ def read_checked(folder: str, name: str, crc: int | None, what: str, where: str 
 
 
 def read_json_checked(folder: str, name: str, crc: int | None, what: str, where: str | None = None):
+    """Read the JSON file ``name`` in ``folder``, checked against ``crc`` (see read_checked)."""
     data = read_checked(folder, name, crc, what, where)
     try:
         return json.loads(data)
@@ -243,6 +245,7 @@ class ChecksummedWriter:
         return offset
 
     def write_tensor(self, tensor: torch.Tensor) -> int:
+        """Append ``tensor``'s bytes; returns the CRC32 of what it added."""
         return self.write(tensor_bytes(tensor))
 
     def commit(self) -> dict:
@@ -257,6 +260,7 @@ class ChecksummedWriter:
                 "crc32": self._crcs}
 
     def abort(self) -> None:
+        """Close and remove the unfinished file."""
         _discard(self._handle, self._temporary)
 
 
@@ -305,6 +309,7 @@ class RangeReader:
         self._follow_links = follow_links
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``path`` at ``offset``; raises if the file is shorter."""
         fd = self._fds.get(path)
         if fd is None:
             if not self._follow_links:
@@ -323,12 +328,14 @@ class RangeReader:
             done += count
 
     def read_tensor(self, path: str, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` read from ``path`` at ``offset``, as a new CPU tensor."""
         out = torch.empty(numel, dtype=dtype)
         if numel:
             self.read_into(path, offset, memoryview(out.view(torch.uint8).numpy()).cast("B"))
         return out
 
     def close(self) -> None:
+        """Close every file this reader opened."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -368,6 +375,7 @@ class SafetensorsWriter:
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor; it must be the one the header announced, with as many bytes."""
         expected_name, nbytes = self._expected[self._next]
         data = tensor_bytes(tensor)
         if name != expected_name or len(data) != nbytes:
@@ -377,6 +385,7 @@ class SafetensorsWriter:
         self._next += 1
 
     def close(self) -> None:
+        """Finish the file (every announced tensor written), sync it and move it into place."""
         if self._next != len(self._expected):
             raise ZinfCheckpointError(f"safetensors writer: {len(self._expected) - self._next} tensor(s) never written")
         self._handle.flush()
@@ -385,6 +394,7 @@ class SafetensorsWriter:
         replace_into_place(self._temporary, self.path)
 
     def abort(self) -> None:
+        """Close and remove the unfinished file."""
         _discard(self._handle, self._temporary)
 
 
@@ -396,6 +406,7 @@ class SafetensorsTensor:
 
     @property
     def numel(self) -> int:
+        """Elements in the tensor."""
         return int(torch.Size(self.shape).numel())
 
     def read(self, reader: RangeReader, first: int, stop: int) -> torch.Tensor:

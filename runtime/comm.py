@@ -101,10 +101,12 @@ class Comm:
 
     @property
     def timeout(self) -> float | None:
+        """Seconds a collective waits for the other ranks when its caller names none (the process's)."""
         return self._parent.timeout if self._parent else self._timeout
 
     @timeout.setter
     def timeout(self, seconds: float | None) -> None:
+        """Seconds a collective waits for the other ranks when its caller names none (the process's)."""
         if self._parent:
             raise AttributeError("a subgroup's default timeout is its process's (set it on RUNTIME.comm)")
         self._timeout = seconds
@@ -131,33 +133,39 @@ class Comm:
 
     @property
     def initialized(self) -> bool:
+        """Whether torch.distributed has a default process group."""
         return dist.is_available() and dist.is_initialized()
 
     @property
     def world_size(self) -> int:
+        """Ranks in this group (1 without a process group)."""
         return dist.get_world_size(self.group) if self.initialized else 1
 
     @property
     def rank(self) -> int:
+        """This process's rank within the group (0 without a process group)."""
         return dist.get_rank(self.group) if self.initialized else 0
 
     def _global(self, rank: int) -> int:
         """The default group's number of this group's rank ``rank`` (what torch.distributed's src/dst take)."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _count(self, kind: str, nbytes: int) -> None:
+    def _count(self, kind: str, moved: "torch.Tensor | int") -> int:
+        """Count one call of ``kind`` moving ``moved`` (a tensor's bytes, or a byte count); returns the bytes."""
+        nbytes = moved if isinstance(moved, int) else moved.numel() * moved.element_size()
         self.traffic_bytes[kind] += nbytes
         self.calls[kind] += 1
+        return nbytes
 
     def reset_traffic(self) -> None:
+        """Zero the traffic counters (bytes and calls per kind)."""
         self.traffic_bytes.clear()
         self.calls.clear()
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all_gather",
                         timeout: float | None = None):
         """Start gathering every rank's equal-size ``shard`` into ``output``; returns a handle."""
-        nbytes = output.numel() * output.element_size()
-        self._count("all_gather", nbytes)
+        nbytes = self._count("all_gather", output)
         if self.world_size == 1:
             return self.copier.copy(output, shard, "gg", "gather (local copy)")
         return self._work(dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True), "gg", nbytes,
@@ -166,8 +174,7 @@ class Comm:
     def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter",
                            timeout: float | None = None):
         """Start averaging ``full`` over ranks, this rank keeping its slice in ``output``."""
-        nbytes = full.numel() * full.element_size()
-        self._count("reduce_scatter", nbytes)
+        nbytes = self._count("reduce_scatter", full)
         if self.world_size == 1:
             return self.copier.copy(output, full, "rs", "reduce (local copy)")
         return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=self.group,

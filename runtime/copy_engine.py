@@ -40,6 +40,7 @@ class CopyWork:
         self._tensors = tensors
 
     def wait(self) -> None:
+        """Order later work after the copy (CUDA: the current stream waits; CPU: the host waits)."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
             self._tensors = ()
@@ -47,6 +48,7 @@ class CopyWork:
         self.synchronize()
 
     def synchronize(self) -> None:
+        """Block the host until the copy is done; raises if it failed."""
         if self._event is not None:
             if not self._event.query():
                 with self._tracer.stall("wait copy"):
@@ -60,6 +62,7 @@ class CopyWork:
                 self._future.result()  # re-raises a failed copy
 
     def done(self) -> bool:
+        """Whether the copy has finished."""
         if self._event is not None:
             return bool(self._event.query())
         return self._future is None or self._future.done()
@@ -81,6 +84,7 @@ class CopyEngine:
             return self._executor
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, track: str, name: str) -> CopyWork:
+        """Start ``target.copy_(source)`` off the caller's thread or stream; ``track``/``name`` label the trace."""
         nbytes = target.numel() * target.element_size()
         submitted = now()
         if target.is_cuda or source.is_cuda:

@@ -89,6 +89,7 @@ class _Job:
 
 
 def hyperparameters(group: dict) -> tuple:
+    """The hyperparameters an early step was taken with (a change before opt.step() voids it)."""
     beta1, beta2 = group["betas"]
     return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
 

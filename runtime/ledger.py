@@ -58,11 +58,13 @@ class Fp16GradScaler:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
 
     def load_state(self, state: dict) -> None:
+        """Restore the scale and its counters from :meth:`state`'s dict."""
         self.scale = state["scale"]
         self.good_steps = state["good_steps"]
         self.skipped_steps = state["skipped_steps"]
 
     def check(self, reduced_grad: torch.Tensor) -> None:
+        """Note an overflow if ``reduced_grad`` has an inf or NaN (the step will be skipped)."""
         if not self.found_inf and not bool(torch.isfinite(reduced_grad).all()):
             self.found_inf = True
 
@@ -106,16 +108,19 @@ class Ledger:
         self.merged_into: Ledger | None = None
 
     def root(self) -> "Ledger":
+        """The ledger this one was merged into (itself if none): where its figures are counted."""
         ledger = self
         while ledger.merged_into is not None:
             ledger = ledger.merged_into
         return ledger
 
     def add_resting(self, tier: str, delta: int) -> None:
+        """Count ``delta`` resting bytes on ``tier``."""
         self.resting[tier] += delta
         self._note_peak(tier)
 
     def add_transient(self, tier: str, delta: int, what: str | None = None) -> None:
+        """Count ``delta`` transient bytes on ``tier``; over the model's device budget raises naming ``what``."""
         limit = self.device_memory_limit
         if tier == "device" and delta > 0 and limit is not None and self.transient[tier] + delta > limit:
             raise ZinfBudgetError(
@@ -129,6 +134,7 @@ class Ledger:
         self._note_peak(tier)
 
     def add_activations(self, tier: str, delta: int) -> None:
+        """Count ``delta`` bytes of saved or offloaded activations on ``tier``."""
         self.activations[tier] += delta
         if tier in self.peak:
             self._note_peak(tier)
@@ -140,6 +146,7 @@ class Ledger:
         self.peak[tier] = max(self.peak[tier], self._held(tier))
 
     def reset_peak(self) -> None:
+        """Start a new peak window at the current figures."""
         for tier in self.peak:
             self.peak[tier] = self._held(tier)
             self.peak_transient[tier] = self.transient[tier]

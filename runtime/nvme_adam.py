@@ -32,6 +32,7 @@ def sub_groups(numel: int, group_numel: int = SUB_GROUP_NUMEL) -> list[tuple[int
 
 
 def state_key(name: str, uid: int, index: int) -> str:
+    """The swap key of optimizer state ``name`` (master, exp_avg, exp_avg_sq, grad) of sub-group ``index``."""
     return f"{name}.{uid}.{index}"
 
 
@@ -62,9 +63,11 @@ class SubGroup:
 
     @property
     def numel(self) -> int:
+        """Elements in the sub-group."""
         return self.stop - self.start
 
     def in_flight(self) -> bool:
+        """Whether any of its reads or writes is still running."""
         return not all(request.done() for request in self.requests)
 
 

@@ -74,6 +74,7 @@ class PinnedBuffer:
 
     @property
     def address(self) -> int:
+        """The memory address of the buffer's first byte."""
         return self.pool.base_address + self.offset
 
     def memoryview(self) -> memoryview:
@@ -176,6 +177,7 @@ class PinnedPool:
 
     @property
     def buffers_in_use(self) -> int:
+        """Buffers acquired and not yet released."""
         return len(self._live)
 
     def acquire(self, nbytes: int, timeout: float | None = None) -> PinnedBuffer:
@@ -252,6 +254,7 @@ class PinnedPool:
             self._cond.notify_all()
 
     def reset_peak(self) -> None:
+        """Start a new peak window at the bytes in use now."""
         with self._cond:
             self.peak_in_use_bytes = self.in_use_bytes
 

@@ -72,10 +72,12 @@ class ParamRecord(ParamLayout):
 
     @property
     def ledger(self) -> "Ledger":
+        """The model's ledger (after merges, the root one) the parameter's bytes are counted in."""
         return self._ledger.root()
 
     @property
     def param(self) -> torch.nn.Parameter:
+        """The parameter; raises if it was garbage-collected."""
         param = self.param_ref()
         if param is None:
             raise ZinfStoreError(f"parameter {self.name} was garbage-collected; its zinf state is gone")
@@ -83,11 +85,13 @@ class ParamRecord(ParamLayout):
 
     @property
     def trainable(self) -> bool:
+        """Whether the parameter is alive and requires a gradient."""
         param = self.param_ref()
         return param is not None and param.requires_grad
 
     @property
     def has_grad(self) -> bool:
+        """Whether a gradient is accumulated (in memory or in the swap files)."""
         return self.grad_shard is not None or self.grad_on_disk
 
 
@@ -139,6 +143,7 @@ class DoneWork:
     """A transfer step with nothing in flight (world size 1): waiting returns at once."""
 
     def wait(self) -> None:
+        """Nothing to wait for."""
         pass
 
 

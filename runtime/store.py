@@ -133,6 +133,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         return engine
 
     def engines(self) -> list[AioEngine]:
+        """The swap engines, one per nvme_path."""
         return list(self._engines.values())
 
     def plan_shards(self, largest_shard_numel: int) -> None:
@@ -541,5 +542,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             del self._units[key]
 
     def records(self) -> list[ParamRecord]:
+        """Every adopted parameter's record (call :meth:`collect` first to drop collected parameters')."""
         return list(self._records.values())
 

@@ -39,6 +39,7 @@ class StoreAccounting:
         self.process.add_transient(tier, delta, what)
 
     def add_optimizer_bytes(self, tier: str, delta: int, ledger: "Ledger | None" = None) -> None:
+        """Count optimizer state bytes resting on ``tier`` (nvme state is staged in CPU memory)."""
         self._add_resting(tier_memory(tier), delta, ledger=ledger)
 
     # Process-wide figures (every model and the shared pinned pool), as before per-model ledgers.

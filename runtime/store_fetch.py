@@ -62,6 +62,7 @@ class FetchSteps:
         transfer.staging, transfer.pending = staging, requests
 
     def nc_wait(self, unit: Unit) -> None:
+        """Finish the unit's oldest NVMe read: its pinned buffer holds the local shards."""
         self._advance_background()
         transfer = self._transfers.move(unit, "nc_wait", State.READING, State.READ)
         for request in transfer.pending:
@@ -91,6 +92,7 @@ class FetchSteps:
         transfer.value, transfer.pending = on_device, works
 
     def cg_wait(self, unit: Unit) -> None:
+        """Finish the unit's oldest device copy: its local input is staged for the gather."""
         transfer = self._transfers.move(unit, "cg_wait", State.COPYING, State.STAGED)
         works, staging, transfer.pending, transfer.staging = transfer.pending, transfer.staging, [], None
         finish_copies(works, staging)

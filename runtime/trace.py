@@ -48,6 +48,7 @@ SAMPLE_SECONDS = 0.005
 
 
 def now() -> float:
+    """The trace's clock (seconds, monotonic)."""
     return time.perf_counter()
 
 
@@ -150,6 +151,7 @@ class Tracer:
     # --- recording (runtime) ---------------------------------------------------------
 
     def interval(self, track: str, name: str, start: float, stop: float, nbytes: int = 0) -> None:
+        """Record that ``name`` ran on ``track`` from ``start`` to ``stop`` moving ``nbytes`` (while recording)."""
         if self.recording:
             self._intervals.append((track, name, start, stop, nbytes))
 
@@ -213,6 +215,7 @@ class Tracer:
         return result
 
     def chrome_events(self) -> list[dict]:
+        """The recorded step as Chrome trace events (times in microseconds from the window's start)."""
         origin = self._window[0]
         micros = lambda seconds: round((seconds - origin) * 1e6, 3)  # noqa: E731
         events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "zinf step"}}]

@@ -33,6 +33,7 @@ class ZinfTransferError(ZinfStoreError):
 
 
 class TransferState(enum.Enum):
+    """Where one transfer is: see the module docstring for the moves between states."""
     NEW = "not started"
     READING = "reading"  # nc_start: swap reads into a pinned buffer in flight
     READ = "read"  # nc_wait: the pinned buffer holds the unit's local shards
@@ -85,6 +86,7 @@ class TransferTable:
             yield from transfers
 
     def has(self, unit, state: TransferState) -> bool:
+        """Whether ``unit`` has a transfer in ``state``."""
         return any(transfer.state is state for transfer in self._by_unit.get(unit.key, ()))
 
     def move(self, unit, op: str, source: TransferState, target: TransferState) -> Transfer:
@@ -110,6 +112,7 @@ class TransferTable:
         return transfer
 
     def clear(self) -> None:
+        """Forget every transfer (abandoned: a graph raised half way); each ends DONE."""
         for transfer in self:
             transfer.state = TransferState.DONE
         self._by_unit.clear()

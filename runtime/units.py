@@ -82,6 +82,7 @@ class ParamLayout:
 
     @property
     def numel(self) -> int:
+        """Elements of the full parameter."""
         return self.shape.numel()
 
     @property
@@ -105,6 +106,7 @@ class ParamLayout:
 
     @property
     def gathered_numel(self) -> int:
+        """Elements a gather of the whole parameter produces (padded to the world size)."""
         return self.shard_numel * self.world_size if self.partition == "allgather" else self.numel
 
     @property
@@ -114,19 +116,23 @@ class ParamLayout:
 
     @property
     def shard_bytes(self) -> int:
+        """Bytes of this rank's shard in compute dtype."""
         return self.local_numel * self.compute_dtype.itemsize
 
     # --- tiles (see ``tile_rows``) ---
 
     @property
     def row_numel(self) -> int:
+        """Elements per row (first dimension) of the parameter."""
         return self.numel // self.shape[0] if self.shape and self.shape[0] else 0
 
     def tile_row_range(self, tile: int) -> tuple[int, int]:
+        """The rows [start, stop) of row tile ``tile``."""
         start = sum(self.tile_rows[:tile])
         return start, start + self.tile_rows[tile]
 
     def tile_numel(self, tile: int) -> int:
+        """Elements of row tile ``tile``."""
         return self.tile_rows[tile] * self.row_numel
 
     def tile_shard_numel(self, tile: int) -> int:
@@ -150,6 +156,7 @@ class ParamLayout:
 
     @property
     def param_key(self) -> str:
+        """The swap key of the parameter's shard (nvme tier)."""
         return f"param.{self.uid}"
 
     def swap_layout(self) -> list[tuple[str, int, int]]:
@@ -226,6 +233,7 @@ class Piece:
 
     @property
     def local_numel(self) -> int:
+        """Elements of this rank's slice of the piece."""
         start, stop = self.local_range
         return stop - start
 
@@ -246,10 +254,13 @@ class Piece:
 
     @property
     def numel(self) -> int:
+        """Elements of the piece (the parameter, or its tile)."""
         return self.shape.numel()
 
     @functools.cached_property
     def segments(self) -> tuple[Segment, ...]:
+        """Where the piece's elements sit in its columns of the gathered matrix: one segment, or one per row tile
+        of a whole tiled parameter."""
         layout = self.layout
         if self.tile is not None or layout.tile_rows is None or layout.partition == "broadcast":
             return (Segment(0, self.numel, 0, self.width),)
@@ -366,6 +377,7 @@ class Unit:
 
     @property
     def tile(self) -> int | None:
+        """The row tile the unit moves (None: whole parameters)."""
         return self.pieces[0].tile
 
     def column_block(self, matrix: torch.Tensor, index: int) -> torch.Tensor:

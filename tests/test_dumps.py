@@ -13,6 +13,7 @@ from equivalence import compare_training
 from zinf_compiler.context import CapturedGraph, GraphContext
 from zinf_compiler.dump import GraphDumper, read_index
 from zinf_compiler.gpt import GPTConfig
+from zinf_compiler.inspect import main as inspect_main
 from zinf_compiler.options import parse_options
 from zinf_compiler.passes import PIPELINE
 from zinf_compiler.pipeline import run_passes
@@ -50,20 +51,17 @@ def test_dump_dir_writes_every_stage_and_index(tmp_path):
     assert "torch.ops.aten.mm.default" in forward or "torch.ops.aten.addmm.default" in forward
 
 
-def test_inspect_cli_summarises_and_prints_a_graph(tmp_path):
+def test_inspect_cli_summarises_and_prints_a_graph(tmp_path, capsys):
     compare_training(GPTConfig(**TINY), {"lower": "eager", "dump_dir": str(tmp_path)}, steps=1)
+    # The module's command line once (``python -m``), then its main() in-process (suite time: no new interpreter).
     done = subprocess.run([sys.executable, "-m", "zinf_compiler.inspect", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "1 compiled graph(s)" in done.stdout and "forward:" in done.stdout and "backward:" in done.stdout
     graph_id = read_index(str(tmp_path))["graphs"][0]["graph_id"]
-    done = subprocess.run(
-        [sys.executable, "-m", "zinf_compiler.inspect", str(tmp_path), "--graph", str(graph_id), "--kind", "backward"],
-        capture_output=True, text=True,
-    )
-    assert done.returncode == 0 and "def forward(" in done.stdout
-    missing = subprocess.run([sys.executable, "-m", "zinf_compiler.inspect", str(tmp_path / "nope")],
-                             capture_output=True, text=True)
-    assert missing.returncode == 2 and "index.json" in missing.stderr
+    assert inspect_main([str(tmp_path), "--graph", str(graph_id), "--kind", "backward"]) == 0
+    assert "def forward(" in capsys.readouterr().out
+    assert inspect_main([str(tmp_path / "nope")]) == 2
+    assert "index.json" in capsys.readouterr().err
 
 
 # --- the pass manager, with passes defined here ---------------------------------
