@@ -35,7 +35,7 @@ class Runtime:
         self.tracer = Tracer()
         self.copier = CopyEngine(self.tracer)
         self.comm = Comm(copier=self.copier, tracer=self.tracer)
-        self.store = ParamStore(self.comm, self.copier)
+        self.store = ParamStore(self.comm)
         self.activations = ActivationStore(self.store.process, self.copier)
         self._nvme_sampled = (0.0, 0)  # (when, bytes) of the last swap folder scan
 

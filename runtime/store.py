@@ -26,7 +26,6 @@ import torch
 
 from .aio import ALIGNMENT, AioEngine
 from .comm import Comm, MeshComm
-from .copy_engine import CopyEngine
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
 from .resting import RestingParameter, guard_aliases
@@ -67,13 +66,13 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     ledgers.  They share the state made here.
     """
 
-    def __init__(self, comm: Comm | None = None, copier: CopyEngine | None = None):
-        if comm is None:  # a store of its own (unit tests) shares the process's group and copier
+    def __init__(self, comm: Comm | None = None):
+        if comm is None:  # a store of its own (unit tests) shares the process's group
             from .process import RUNTIME  # (it imports this module)
 
-            comm, copier = RUNTIME.comm, RUNTIME.copier if copier is None else copier
+            comm = RUNTIME.comm
         self.comm = comm  # the process's default group: parameters adopted without a mesh shard over it
-        self.copier = copier or comm.copier  # cg copies (CPU or pinned -> device)
+        self.copier = comm.copier  # cg copies (CPU or pinned -> device): the process's
         self._records: dict[int, ParamRecord] = {}
         # id(param) -> a weak reference to it that knows the uid; checked for identity
         # on lookup, so a new tensor at a dead one's address is never taken for it.

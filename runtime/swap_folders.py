@@ -187,7 +187,8 @@ def _stale_reason(match: re.Match, info: os.stat_result, mine: list[str]) -> str
     return None
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """Allocated bytes of every file under ``path`` (st_blocks: what the disk holds)."""
     total = 0
     for folder, _, files in os.walk(path):
         for name in files:
@@ -231,7 +232,7 @@ def remove_stale_folders(root: str) -> list[str]:
         reason = _stale_reason(match, info, mine_fields)
         if reason is None:
             continue
-        size = _tree_bytes(entry.path)
+        size = tree_bytes(entry.path)
         shutil.rmtree(entry.path, ignore_errors=True)  # another engine may be removing it at the same time
         if os.path.lexists(entry.path):
             log.warning("zinf: could not remove the stale swap folder %s (%s) under nvme_path; remove it by hand",
