@@ -30,13 +30,22 @@ class ZinfBindingError(RuntimeError):
 
 
 class Binding:
-    """The store records of one compiled call, by slot (Dynamo input position)."""
+    """The store records of one compiled call, by slot (Dynamo input position), and the store holding them.
 
-    __slots__ = ("records", "graph_id")
+    The graph's ops reach the store through the binding of the call they run in,
+    not through a global: a store built in a test serves the ops it binds.
+    """
 
-    def __init__(self, records: dict[int, Any], graph_id: int):
+    __slots__ = ("records", "graph_id", "store")
+
+    def __init__(self, records: dict[int, Any], graph_id: int, store: Any):
         self.records = records
         self.graph_id = graph_id
+        self.store = store
+
+    def unit(self, slots: list[int], tile: int | None = None):
+        """The store's unit of the parameters bound to ``slots`` (a bucket, or one; ``tile``: that row tile)."""
+        return self.store.unit([self.record(slot) for slot in slots], tile)
 
     def record(self, slot: int):
         """The store record bound to input ``slot`` of this call; raises naming the graph if none is."""

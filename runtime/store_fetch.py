@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from .aio import AioError
+from .collectives import start_gather
 from .comm import Comm
 from .ledger import Ledger, ZinfStoreError
 from .transfers import Transfer, TransferState as State
@@ -126,17 +127,7 @@ class FetchSteps:
             # The cg step's fresh device copy already is the whole unit: no collective, no copy.
             transfer.work, transfer.value = DONE, local
             return
-        matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
-        if unit.partition == "allgather":
-            work = self._shard_comm(unit).all_gather_into(matrix, local, f"all_gather of {unit.name}",
-                                                          timeout=ledger.collective_timeout)
-        else:
-            owner = unit.pieces[0].layout.owner
-            if local.numel():
-                matrix.copy_(local)
-            work = self._shard_comm(unit).broadcast(matrix, src=owner, what=f"broadcast of {unit.name}",
-                                                    timeout=ledger.collective_timeout)
-        transfer.work, transfer.value = work, matrix
+        transfer.work, transfer.value = start_gather(unit, local, self._shard_comm(unit), ledger.collective_timeout)
 
     def gather_wait(self, unit: Unit) -> list[torch.Tensor]:
         """Finish the oldest gather of ``unit``: each piece's full value, in its parameter's dtype."""

@@ -7,13 +7,14 @@ from typing import Iterable
 import torch
 
 from .aio import AioError
+from .collectives import add_each_into_its_row, finish_reduce, start_reduce
 from .nvme_adam import state_key, sub_groups
 from .grad_hooks import run_grad_hooks
 from .ledger import ZinfStoreError
 from .transfers import TransferState as State
 from .records import (DONE, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
                       tier_memory)
-from .units import Segment, Unit, can_share_unit
+from .units import Unit, can_share_unit
 
 
 class GradientSteps:
@@ -50,31 +51,14 @@ class GradientSteps:
                 flats.append(flat)
             if unit.sizes.reduce == 0:
                 # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
-                for index, (piece, flat) in enumerate(zip(unit.pieces, flats)):
-                    if piece.segments != (Segment(0, piece.numel, 0, piece.width),):
-                        padded = torch.zeros(piece.width, dtype=torch.float32, device=unit.device)
-                        piece.scatter(flat, padded.view(1, -1))
-                        flat = padded
-                    self._accumulate(piece, flat, private=False)
+                for piece, row in zip(unit.pieces, add_each_into_its_row(unit, flats)):
+                    self._accumulate(piece, row, private=False)
                 transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
                 transfer.work = DONE  # and no value: added already
                 return
             self._add_transient("device", unit.sizes.reduce, what=f"reduce_grad_start of {unit.name}",
                                 ledger=ledger)
-            matrix = torch.zeros(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
-            for index, (piece, flat) in enumerate(zip(unit.pieces, flats)):
-                piece.scatter(flat, unit.column_block(matrix, index))
-            if unit.rows > 1:
-                out = torch.empty(unit.columns, dtype=unit.compute_dtype, device=unit.device)
-                work = self._shard_comm(unit).reduce_scatter_avg(
-                    out, matrix, f"reduce_scatter of the gradient of {unit.name}", timeout=ledger.collective_timeout)
-            elif unit.world_size > 1:  # broadcast partition: summed on the owner
-                out = matrix
-                work = self._shard_comm(unit).reduce_sum(matrix, dst=unit.pieces[0].layout.owner,
-                                                         what=f"reduce of the gradient of {unit.name}",
-                                                         timeout=ledger.collective_timeout)
-            else:
-                out, work = matrix, DONE  # world size 1, fp16 or broadcast: nothing to average
+            work, out = start_reduce(unit, flats, self._shard_comm(unit), ledger.collective_timeout)
             transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
             transfer.work, transfer.value = work, out
         finally:
@@ -95,14 +79,9 @@ class GradientSteps:
             return  # added at the start (world size 1)
         ledger = self._ledger_of(unit)
         self._add_transient("device", -unit.sizes.reduce, ledger=ledger)
-        if unit.partition == "broadcast":
-            if unit.pieces[0].layout.rank != unit.pieces[0].layout.owner:
-                return
-            if unit.world_size > 1:
-                out = out / unit.world_size
-        # HSDP: the shard group's average, averaged across the replicas holding the same slice.
-        unit.pieces[0].layout.mesh.average_replicas(out, f"all_reduce of the gradient of {unit.name} across replicas",
-                                                    ledger.collective_timeout)
+        out = finish_reduce(unit, out, unit.pieces[0].layout.mesh, ledger.collective_timeout)
+        if out is None:
+            return  # a broadcast partition's gradient is the owner's
         if unit.compute_dtype == torch.float16:
             scaler = self._ledger_of(unit).fp16_scaler  # the model's own (one model's overflow is not another's)
             out = out.to(torch.float32) / scaler.scale

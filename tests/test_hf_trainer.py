@@ -87,6 +87,9 @@ def test_trainer_with_zinf_equals_eager_trainer_and_resumes(tmp_path, family):
     resumed.train(resume_from_checkpoint=str(tmp_path / "zinf" / "checkpoint-2"))
     _assert_same([entry for entry in _logged(resumed) if entry[0] > 2], expected[2:])
 
+    if family != "gpt2":
+        return  # evaluation, generation and export are the same code for every family (suite time)
+
     # Evaluation through the same trainer: the inference graph, equal to the eager model's.
     eval_data = _dataset(count=4)
     assert abs(resumed.evaluate(eval_data)["eval_loss"] - eager.evaluate(eval_data)["eval_loss"]) <= 1e-5 * 4

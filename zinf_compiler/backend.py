@@ -62,6 +62,11 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
 
 
 def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> Callable:
+    """Compile one Dynamo subgraph under already parsed ``options`` (:func:`zinf_backend` after parsing).
+
+    Adopts the graph's parameters into the store (stages 1-3), rewrites and lowers each ATen graph, and returns
+    the callable Dynamo runs in its place, which binds each call's own parameters (see :func:`_run_time_wrapper`).
+    """
     RUNTIME.store.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
     captured.mesh = model_mesh(options)
@@ -249,7 +254,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
         if captured.options.stage >= 2:
             for slot, record in records.items():
                 claim_grad_hooks(args[slot], record.name, tiled=record.tile_rows is not None)
-        return Binding(records, captured.graph_id)
+        return Binding(records, captured.graph_id, RUNTIME.store)
 
     def run(*args):
         # Boxed (one list of inputs) or not, as Dynamo calls ``compiled``: graph

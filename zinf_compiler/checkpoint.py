@@ -211,7 +211,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     started = time.perf_counter()
     if optimizer is not None:
         _check_optimizer(optimizer)
-        optimizer._bind()
+        optimizer.bind()
     staging = path + ".partial"
     prepared = None
     if rank == 0:
@@ -358,7 +358,7 @@ def _write_rank(staging: str, rank: int, model, optimizer) -> dict:
                                 "pieces": _write_ranges(writer, _chunks(full), [(0, full.numel(), 0)])})
         if optimizer is not None:
             names = {id(p): name for name, p in named}
-            for slot in optimizer._all_slots():
+            for slot in optimizer.slots():
                 name = names.get(id(slot.param))
                 if name is None:
                     raise ZinfCheckpointError("the optimizer holds a parameter that is not one of the model's; save "
@@ -385,8 +385,8 @@ def _optimizer_state(optimizer: ZinfOptimizer, slot, rank: int):
     tensors, from rank 0.  Scalars (``step``) come as ``[value, dtype]``.
     """
     record = slot.record
-    if record is not None and record.stage > 0 and record.opt_tier == "nvme":
-        steps = optimizer._nvme.steps.get(record.uid, 0) if optimizer._nvme is not None else 0
+    if slot.state_on_nvme:
+        steps = optimizer.nvme_steps(slot)
         if not steps or not record.owns_state:
             return
         yield "step", None, None, None, [float(steps), "float32"]
@@ -396,9 +396,7 @@ def _optimizer_state(optimizer: ZinfOptimizer, slot, rank: int):
                       for index, (start, stop) in enumerate(sub_groups(record.local_numel)))
             yield kind, torch.float32, chunks, record.owned_ranges(), None
         return
-    if optimizer._inner is None:
-        return
-    state = optimizer._inner.state.get(slot.master, {})
+    state = optimizer.memory_state(slot)
     sharded = _sharded(record)
     if not sharded and rank != 0:
         return
@@ -540,6 +538,7 @@ class Checkpoint:
         verify_data_file(self.data_paths[index], self.manifests[index]["data"], self.manifest_paths[index])
 
     def has(self, name: str, kind: str) -> bool:
+        """Whether the checkpoint holds any piece of ``name``'s ``kind`` (``"value"``, ``"buffer"``, ``"state.*"``)."""
         return (name, kind) in self.pieces
 
     def dtype(self, name: str, kind: str) -> torch.dtype:
@@ -567,12 +566,15 @@ class Checkpoint:
         return out
 
     def read_full(self, name: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The whole flat tensor ``name`` (``kind``) of ``numel`` elements, whatever world size wrote it."""
         return self.read_ranges(name, kind, [(0, numel, 0)], numel, dtype)
 
     def read_local(self, record: ParamRecord, name: str, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of ``name`` (``kind``) in this run's layout: the ranges ``record`` owns."""
         return self.read_ranges(name, kind, record.owned_ranges(), record.local_numel, dtype)
 
     def close(self) -> None:
+        """Close the data files (the reader's open handles)."""
         self.reader.close()
 
 
@@ -849,10 +851,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                 if key != "params":
                     group[key] = _tupled(value) if isinstance(value, list) else value
         optimizer.zero_grad()
-        optimizer._attach_checkpoint(checkpoint, {id(p): name for name, p in _named_params(model)})
+        optimizer.attach_checkpoint(checkpoint, {id(p): name for name, p in _named_params(model)})
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if optimizer._inner is not None or all(RUNTIME.store.lookup(p) is not None for p in params):
-            optimizer._bind()  # the binding is final: apply the state now
+        if optimizer.bound or all(RUNTIME.store.lookup(p) is not None for p in params):
+            optimizer.bind()  # the binding is final: apply the state now
     else:
         checkpoint.close()
     # Into this model's ledger (made now if it has none yet: its parameters join it when adopted).
@@ -964,43 +966,33 @@ def _load_model(checkpoint: Checkpoint, model) -> None:
 def apply_optimizer_state(optimizer: ZinfOptimizer, checkpoint: Checkpoint, names: dict[int, str]) -> None:
     """Give a bound optimizer the checkpoint's state for its slots, in this run's layout.
 
-    Called by the optimizer when it binds (see ZinfOptimizer._attach_checkpoint).
+    Called by the optimizer when it binds (see ZinfOptimizer.attach_checkpoint).
     Masters of sharded parameters are written again from the saved fp32
     values (a parameter adopted after :func:`load` took them from the full
-    tensor, which may be lower precision).
+    tensor, which may be lower precision).  Moments of NVMe-tier slots go
+    straight to their swap files; the optimizer takes the rest and the step
+    counts through :meth:`ZinfOptimizer.restore_state`.
     """
+    memory_states, nvme_steps = {}, {}
     with torch.no_grad():
-        for slot in optimizer._all_slots():
-            if _sharded(slot.record):
-                name = names[id(slot.param)]
-                RUNTIME.store.assign_local(slot.record, checkpoint.read_local(slot.record, name, "value",
-                                                                      slot.record.holding_dtype))
-    if optimizer._inner is not None:
-        inner_state = optimizer._inner.state_dict()
-        new_state, index = {}, 0
-        for group_slots in optimizer._slots:
-            for slot in group_slots:
-                state = _slot_state(checkpoint, slot, names[id(slot.param)])
-                if state:
-                    new_state[index] = state
-                index += 1
-        inner_state["state"] = new_state
-        optimizer._inner.load_state_dict(inner_state)
-    for slot, _ in optimizer._nvme_slots:
-        record = slot.record
-        name = names[id(slot.param)]
-        step = checkpoint.scalars.get(name, {}).get("step")
-        steps = int(step[0]) if step is not None else 0
-        if steps and record.owns_state:
-            for kind in ("exp_avg", "exp_avg_sq"):
-                local = checkpoint.read_local(record, name, "state." + kind, torch.float32)
-                for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-                    RUNTIME.store.write_swap(record.swap, state_key(kind, record.uid, index), local[start:stop])
-                del local
-            optimizer._nvme.steps[record.uid] = steps
-        else:
-            optimizer._nvme.steps.pop(record.uid, None)
-    optimizer._account_state()
+        for slot in optimizer.slots():
+            name = names[id(slot.param)]
+            record = slot.record
+            if _sharded(record):
+                RUNTIME.store.assign_local(record, checkpoint.read_local(record, name, "value", record.holding_dtype))
+            if not slot.state_on_nvme:
+                memory_states[slot] = _slot_state(checkpoint, slot, name)
+                continue
+            step = checkpoint.scalars.get(name, {}).get("step")
+            steps = int(step[0]) if step is not None else 0
+            if steps and record.owns_state:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    local = checkpoint.read_local(record, name, "state." + kind, torch.float32)
+                    for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
+                        RUNTIME.store.write_swap(record.swap, state_key(kind, record.uid, index), local[start:stop])
+                    del local
+                nvme_steps[slot] = steps
+    optimizer.restore_state(memory_states, nvme_steps)
 
 
 def _slot_state(checkpoint: Checkpoint, slot, name: str) -> dict:

@@ -35,6 +35,7 @@ class InputInfo:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole tensor (its shape times its dtype's size; 0 for an input that is no tensor)."""
         if self.shape is None or self.dtype is None:
             return 0
         numel = 1
@@ -94,6 +95,7 @@ class CapturedGraph:
 
     @classmethod
     def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any], options: ZinfOptions) -> "CapturedGraph":
+        """Describe ``gm``'s placeholders (kind by Dynamo source) and keep its parameters, under a new graph id."""
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
         inputs: list[InputInfo] = []
@@ -131,6 +133,7 @@ class CapturedGraph:
 
     @property
     def params(self) -> list[InputInfo]:
+        """The inputs that are parameters, in Dynamo order."""
         return [info for info in self.inputs if info.kind == "param"]
 
 
@@ -152,13 +155,16 @@ class GraphContext:
 
     @property
     def options(self) -> ZinfOptions:
+        """The options of the compile this graph belongs to (``captured.options``)."""
         return self.captured.options
 
     @property
     def graph_id(self) -> int:
+        """The id of the Dynamo subgraph this ATen graph came from (its forward and backward share it)."""
         return self.captured.graph_id
 
     def param_bytes(self) -> int:
+        """Bytes of the parameters this graph takes, whole (not this rank's shards): for the dump headers."""
         return sum(info.nbytes for info in self.params.values())
 
     @property

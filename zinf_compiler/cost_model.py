@@ -70,6 +70,7 @@ class MachineProfile:
     source: str = "measured"  # "measured" | "nominal"
 
     def describe(self) -> list[str]:
+        """The rates, the free device memory and the probes' time as one readable line (in a list)."""
         def rate(value: float | None) -> str:
             return "not measured" if value is None else f"{value / 1e9:.2f} GB/s"
 
@@ -345,6 +346,7 @@ class CostModel:
         return nbytes / rate
 
     def describe(self) -> list[str]:
+        """The profile's line, plus the pinned staging bytes where capped: the schedule table's ``cost_model``."""
         lines = self.profile.describe()
         if self.host_staging_bytes is not None:
             lines.append(f"pinned staging for nc prefetch: {self.host_staging_bytes:,} bytes")

@@ -60,6 +60,7 @@ def describe_count_change(before: collections.Counter, after: collections.Counte
 
 
 def rank_dump_dir(dump_dir: str) -> str:
+    """``dump_dir`` itself, or its ``rank<R>`` folder when torch.distributed runs more than one rank."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -77,6 +78,7 @@ class GraphDumper:
 
     @property
     def enabled(self) -> bool:
+        """Whether ``dump_dir`` is set: otherwise every dump method returns without writing."""
         return self.folder is not None
 
     def _entry(self) -> dict[str, Any]:
@@ -108,6 +110,7 @@ class GraphDumper:
         os.replace(tmp_path, path)
 
     def dump_dynamo(self, gm: torch.fx.GraphModule) -> None:
+        """Write ``dynamo.py`` (the graph the backend received, its inputs in the header) and list it in the index."""
         if not self.enabled:
             return
         header = [
@@ -163,6 +166,7 @@ class GraphDumper:
             self._write_index()
 
     def record_skipped(self, ctx: GraphContext, stage: str, reason: str) -> None:
+        """Record in the index that pass ``stage`` did not run on ``ctx``'s graph, and why (no graph file)."""
         if not self.enabled:
             return
         with _index_lock:

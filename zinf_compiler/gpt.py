@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 @dataclasses.dataclass
 class GPTConfig:
+    """Sizes of a :class:`GPT`, and extras that switch on corner cases (frozen parameter, graph break, dropout)."""
+
     vocab_size: int = 256
     block_size: int = 64
     n_layer: int = 2
@@ -34,6 +36,8 @@ def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one fused ``qkv`` projection, SDPA, then the output projection."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -43,6 +47,7 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual_projection = True  # scaled init (GPT-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (batch, seq, n_embd) attended causally along its sequence, same shape (dropout after ``proj``)."""
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -51,6 +56,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The feed-forward layer: ``fc`` to 4 * n_embd, GELU, ``proj`` back to n_embd."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
@@ -59,10 +66,13 @@ class MLP(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``proj(gelu(fc(x)))``, then residual dropout in training mode."""
         return _dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
+    """One transformer layer: pre-LayerNorm attention, then a pre-LayerNorm MLP, each added to the residual."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
@@ -71,11 +81,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus attention over ``ln1(x)``, then plus the MLP of ``ln2`` of that."""
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
+    """Token and position embeddings, ``n_layer`` blocks, a final LayerNorm and an LM head tied to ``wte``."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -108,6 +121,7 @@ class GPT(nn.Module):
                 self.embed_scale.fill_(1.5)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab_size) for token ids ``idx``; with ``targets``: their mean cross-entropy."""
         seq = idx.shape[1]
         x = self.wte(idx) + self.wpe(self.positions[:seq])
         if self.cfg.frozen_scale:

@@ -9,22 +9,27 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 
 def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Each node's position in ``graph``, to compare nodes by where they run."""
     return {node: position for position, node in enumerate(graph.nodes)}
 
 
 def first_node(nodes: Iterable[torch.fx.Node], order: dict[torch.fx.Node, int]) -> torch.fx.Node:
+    """The earliest of ``nodes`` in the graph (``order`` from :func:`node_order`)."""
     return min(nodes, key=order.__getitem__)
 
 
 def last_node(nodes: Iterable[torch.fx.Node], order: dict[torch.fx.Node, int]) -> torch.fx.Node:
+    """The latest of ``nodes`` in the graph (``order`` from :func:`node_order`)."""
     return max(nodes, key=order.__getitem__)
 
 
 def placeholders_by_name(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
+    """``graph``'s placeholders by node name (``primals_3``)."""
     return {node.name: node for node in graph.nodes if node.op == "placeholder"}
 
 
 def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    """``graph``'s output node (searched from the end, where it sits)."""
     return next(node for node in reversed(graph.nodes) if node.op == "output")
 
 

@@ -92,6 +92,11 @@ class ZinfTrainer(Trainer):
     # --- the optimizer ---
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """Make (once) the zinf optimizer the Trainer's ``optim`` names, over ``model``'s trainable parameters.
+
+        Grouped as the Trainer groups them: ``weight_decay`` on ``get_decay_parameter_names``, none on the rest
+        (an empty group is dropped).  Clipping and the logged gradient norm go through this optimizer.
+        """
         if self.optimizer is None:
             model = model if model is not None else self.model
             decay = set(self.get_decay_parameter_names(model))

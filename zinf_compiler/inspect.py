@@ -15,6 +15,7 @@ from .dump import read_index
 
 
 def summarize(dump_dir: str) -> str:
+    """The summary of ``dump_dir``: per graph its parameters, and per ATen graph each stage's op count and change."""
     index = read_index(dump_dir)
     lines = [f"zinf dump {dump_dir}: {len(index['graphs'])} compiled graph(s)"]
     for entry in sorted(index["graphs"], key=lambda e: e["graph_id"]):
@@ -36,6 +37,7 @@ def summarize(dump_dir: str) -> str:
 
 
 def stage_file(dump_dir: str, graph_id: int, kind: str, stage: str) -> str:
+    """Path of graph ``graph_id``'s ``kind`` graph as dumped after ``stage``; exits naming what there is if none."""
     index = read_index(dump_dir)
     root = dump_dir if os.path.exists(os.path.join(dump_dir, "index.json")) else os.path.join(dump_dir, "rank0")
     for entry in index["graphs"]:
@@ -50,6 +52,7 @@ def stage_file(dump_dir: str, graph_id: int, kind: str, stage: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print a dump folder's summary, or with ``--graph`` one graph file; returns the exit status (2: file missing)."""
     parser = argparse.ArgumentParser(prog="python -m zinf_compiler.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("dump_dir", help="a folder written with options={'dump_dir': ...}")
     parser.add_argument("--graph", type=int, help="print one graph file: its graph id")

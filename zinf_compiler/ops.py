@@ -7,7 +7,7 @@ nodes; it never changes what they mean.  Each op moves one *unit*
 (:mod:`zinf_compiler.runtime.units`: a bucket of parameters, one parameter, or
 one row tile of one) and names its parameters by *slot*: their positions among
 the Dynamo graph's inputs, resolved at run time against the parameters of the
-call in progress (:mod:`zinf_compiler.runtime.binding`), so one compiled graph
+call in progress (:mod:`zinf_compiler.runtime.binding`, which also names the store holding them), so one compiled graph
 serves every module Dynamo hands it.  Each op has a fake kernel for tracing; ops that
 return nothing, and starts that take no tensor (nothing a compiler could fold
 or merge them by), are marked side-effecting so that they are kept as placed.
@@ -21,13 +21,13 @@ from zinf_compiler.runtime import binding
 from zinf_compiler.runtime.process import RUNTIME
 
 
-def _unit(slots: list[int], tile: int):
-    """The store's unit for ``slots`` (a bucket, or one parameter) bound in the call in progress.
+def _bound(slots: list[int], tile: int):
+    """The store of the call in progress and its unit for ``slots`` (a bucket, or one parameter).
 
     ``tile=-1``: whole parameters; else that row tile of the one parameter in ``slots``.
     """
-    binding_now = binding.current()
-    return RUNTIME.store.unit([binding_now.record(slot) for slot in slots], None if tile < 0 else tile)
+    call = binding.current()
+    return call.store, call.unit(slots, None if tile < 0 else tile)
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -48,7 +48,8 @@ def nc_start(slots: list[int], device: torch.device, tile: int = -1) -> torch.Te
 
     ``device``: the parameters' device (the token's).
     """
-    RUNTIME.store.nc_start(_unit(slots, tile))
+    store, unit = _bound(slots, tile)
+    store.nc_start(unit)
     return _token(device)
 
 
@@ -57,11 +58,25 @@ def _(slots, device, tile=-1):
     return torch.empty(0, dtype=torch.uint8, device=device)
 
 
-@torch.library.custom_op("zinf::nc_wait", mutates_args=())
-def nc_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
-    """Finish the NVMe read; returns a token ordering the CPU-to-device copy after it."""
-    RUNTIME.store.nc_wait(_unit(slots, tile))
-    return _token(token.device)
+def _finish_op(name: str, doc: str):
+    """A ``zinf::<name>`` op that finishes a host-side step (nc or cg) of ``slots``' unit and passes a token on.
+
+    The store's method of the same name does the work; the op returns a fresh
+    token on the consumed token's device that orders the next step after it.
+    """
+
+    def finish(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
+        store, unit = _bound(slots, tile)
+        getattr(store, name)(unit)
+        return _token(token.device)
+
+    finish.__doc__ = doc
+    finish_op = torch.library.custom_op(f"zinf::{name}", finish, mutates_args=())
+    finish_op.register_fake(lambda token, slots, tile=-1: token.new_empty(0, dtype=torch.uint8))
+    return finish_op
+
+
+nc_wait = _finish_op("nc_wait", "Finish the NVMe read; returns a token ordering the CPU-to-device copy after it.")
 
 
 @torch.library.custom_op("zinf::cg_start", mutates_args=())
@@ -71,15 +86,12 @@ def cg_start(slots: list[int], device: torch.device, after: torch.Tensor | None 
 
     ``after``: the token of the NVMe read (nc) that staged them, if any.
     """
-    RUNTIME.store.cg_start(_unit(slots, tile))
+    store, unit = _bound(slots, tile)
+    store.cg_start(unit)
     return _token(device)
 
 
-@torch.library.custom_op("zinf::cg_wait", mutates_args=())
-def cg_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> torch.Tensor:
-    """Finish the copy; the shards are staged on the device for the gather."""
-    RUNTIME.store.cg_wait(_unit(slots, tile))
-    return _token(token.device)
+cg_wait = _finish_op("cg_wait", "Finish the copy; the shards are staged on the device for the gather.")
 
 
 @torch.library.custom_op("zinf::gather_start", mutates_args=())
@@ -90,15 +102,14 @@ def gather_start(slots: list[int], device: torch.device, after: torch.Tensor | N
     ``after``: the token of the fetch (cg) that staged the shards, if any.
     ``tile`` >= 0: assemble only that row tile of the one tiled parameter.
     """
-    RUNTIME.store.gather_start(_unit(slots, tile))
+    store, unit = _bound(slots, tile)
+    store.gather_start(unit)
     return _token(device)
 
 
 for _token_op in (cg_start, gather_start):
     _token_op.register_fake(lambda slots, device, after=None, tile=-1: torch.empty(0, dtype=torch.uint8,
                                                                                     device=device))
-for _token_op in (nc_wait, cg_wait):
-    _token_op.register_fake(lambda token, slots, tile=-1: token.new_empty(0, dtype=torch.uint8))
 
 
 @torch.library.custom_op("zinf::gather_wait", mutates_args=())
@@ -109,7 +120,8 @@ def gather_wait(token: torch.Tensor, slots: list[int], sizes: list[int], dims: l
     Their shapes, for tracing: ``dims[i]`` sizes each, one after another in
     ``sizes``; all of ``dtype`` (one bucket holds one dtype), on the token's device.
     """
-    return RUNTIME.store.gather_wait(_unit(slots, tile))
+    store, unit = _bound(slots, tile)
+    return store.gather_wait(unit)
 
 
 @gather_wait.register_fake
@@ -129,7 +141,8 @@ def split_shapes(sizes: list[int], dims: list[int]) -> list[list[int]]:
 @torch.library.custom_op("zinf::release", mutates_args=())
 def release(gathered: list[torch.Tensor], slots: list[int], tile: int = -1) -> None:
     """The last use of the gathered parameters (or tile) has run: their bytes stop counting as held."""
-    RUNTIME.store.release(_unit(slots, tile))
+    store, unit = _bound(slots, tile)
+    store.release(unit)
 
 
 @release.register_fake
@@ -140,7 +153,8 @@ def _(gathered, slots, tile=-1):
 @torch.library.custom_op("zinf::reduce_grad_start", mutates_args=())
 def reduce_grad_start(grads: list[torch.Tensor], slots: list[int], tile: int = -1) -> torch.Tensor:
     """Begin reducing the gradients of the parameters in ``slots`` (of row ``tile``, if >= 0) with one collective."""
-    RUNTIME.store.reduce_grad_start(_unit(slots, tile), grads)
+    store, unit = _bound(slots, tile)
+    store.reduce_grad_start(unit, grads)
     return _token(grads[0].device)
 
 
@@ -152,7 +166,8 @@ def _(grads, slots, tile=-1):
 @torch.library.custom_op("zinf::reduce_grad_wait", mutates_args=())
 def reduce_grad_wait(token: torch.Tensor, slots: list[int], tile: int = -1) -> None:
     """Finish the reduce started with ``token``; the results are in the store's gradient shards."""
-    RUNTIME.store.reduce_grad_wait(_unit(slots, tile))
+    store, unit = _bound(slots, tile)
+    store.reduce_grad_wait(unit)
 
 
 @reduce_grad_wait.register_fake

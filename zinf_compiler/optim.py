@@ -37,19 +37,33 @@ _LIVE_OPTIMIZERS: "weakref.WeakSet[ZinfOptimizer]" = weakref.WeakSet()
 
 
 @dataclasses.dataclass(eq=False)
-class _Slot:
+class Slot:
+    """One parameter as the optimizer steps it: the user's parameter, the store's record and the tensor stepped."""
+
     param: torch.nn.Parameter  # what the user passed
     record: ParamRecord | None  # the store's record; None for a parameter zinf did not shard
-    master: torch.Tensor  # what the inner optimizer steps
+    master: torch.Tensor | None  # what the inner optimizer steps; None when the state rests on NVMe
+
+    @property
+    def state_on_nvme(self) -> bool:
+        """Whether this slot's master and moments rest in NVMe swap files (stepped by NvmeAdam, not in memory)."""
+        return self.master is None
 
     @property
     def grad(self) -> torch.Tensor | None:
+        """The gradient the step reads: ``param.grad`` unsharded, else this rank's gradient shard (None: not its own)."""
         if self.record is None or self.record.stage == 0:
             return self.param.grad
         return self.record.grad_shard if self.record.owns_state else None
 
 
 class ZinfOptimizer(torch.optim.Optimizer):
+    """A torch optimizer of ``inner_class`` that steps zinf's master shards (see the module docstring).
+
+    Subclasses (:class:`AdamW`, :class:`Adam`, :class:`SGD`) name the torch
+    optimizer that does the arithmetic and take its arguments.
+    """
+
     inner_class: type[torch.optim.Optimizer]
 
     def __init__(self, params: Iterable, **defaults: Any):
@@ -66,8 +80,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 f"under `with torch.device('meta')`): call zinf_compiler.materialize(model, options, init_fn=...) "
                 f"before torch.compile, to build them straight into their shards")
         self._inner: torch.optim.Optimizer | None = None
-        self._slots: list[list[_Slot]] = []
-        self._nvme_slots: list[tuple[_Slot, int]] = []  # (slot, param group index): state in swap files
+        self._slots: list[list[Slot]] = []
+        self._nvme_slots: list[tuple[Slot, int]] = []  # (slot, param group index): state in swap files
         self._nvme: NvmeAdam | None = None
         self._pending_state: dict | None = None  # loaded before any parameter was sharded (see load_state_dict)
         # zinf.load's checkpoint (and parameter names): applied when the optimizer binds, and
@@ -85,7 +99,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     # --- binding to the store ----------------------------------------------------
 
-    def _bind(self) -> None:
+    def bind(self) -> None:
+        """Bind to the store's shards now (done by the first step); a checkpoint given by ``zinf.load`` is applied."""
         self._bind_slots()
         if self._checkpoint is not None and not self._checkpoint_applied:
             from zinf_compiler.checkpoint import apply_optimizer_state
@@ -93,8 +108,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
             apply_optimizer_state(self, *self._checkpoint)
             self._checkpoint_applied = True
 
-    def _attach_checkpoint(self, checkpoint, names: dict[int, str]) -> None:
-        """``zinf.load``: take ``checkpoint``'s state at the next bind (kept until the first step)."""
+    def attach_checkpoint(self, checkpoint, names: dict[int, str]) -> None:
+        """``zinf.load``: take ``checkpoint``'s state at the next bind (kept until the first step).
+
+        ``names``: each parameter's name in the checkpoint, by ``id(param)``.
+        """
         if self._checkpoint is not None:
             self._checkpoint[0].close()
         self._checkpoint = (checkpoint, names)
@@ -133,12 +151,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
                             f"offload_optimizer='nvme' streams Adam/AdamW state from disk; "
                             f"{type(self).__name__} is not supported there (use offload_optimizer='cpu')"
                         )
-                    self._nvme_slots.append((_Slot(param, record, None), group_index))
+                    self._nvme_slots.append((Slot(param, record, None), group_index))
                     continue
                 if not param.is_floating_point():
                     continue  # integer and bool parameters have no gradient: nothing to step
                 master = param if record is None or record.stage == 0 else record.master
-                group_slots.append(_Slot(param, record, master))
+                group_slots.append(Slot(param, record, master))
             self._slots.append(group_slots)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": [slot.master for slot in group_slots]})
@@ -172,16 +190,16 @@ class ZinfOptimizer(torch.optim.Optimizer):
         inner._zinf_inner = True  # steps zinf's masters: not refused by refuse_foreign_optimizers
         return inner
 
-    def _all_slots(self) -> list[_Slot]:
-        """Every slot, the nvme-tier ones included."""
+    def slots(self) -> list[Slot]:
+        """Every slot, the nvme-tier ones included (empty until bound)."""
         return [slot for group_slots in self._slots for slot in group_slots] + [s for s, _ in self._nvme_slots]
 
-    def _memory_slots(self) -> list[_Slot]:
+    def _memory_slots(self) -> list[Slot]:
         """The slots whose master the inner torch optimizer steps."""
         return [slot for group_slots in self._slots for slot in group_slots]
 
     def _records(self) -> list[ParamRecord]:
-        return [slot.record for slot in self._all_slots() if slot.record is not None]
+        return [slot.record for slot in self.slots() if slot.record is not None]
 
     def _mesh(self):
         """The ranks this optimizer's parameters are sharded over (one mesh: see _bind_slots)."""
@@ -224,7 +242,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._bind()
+        self.bind()
         self._drop_checkpoint()  # bound at a step: the binding is final, the loaded state is in it
 
         def params_not_written(err: Exception) -> AioError:
@@ -348,6 +366,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 RUNTIME.store.finish_publish()  # inside the transaction: its writes commit together
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``param.grad`` and every gradient shard zinf holds for these parameters (bound or not)."""
         super().zero_grad(set_to_none)  # full gradients in param.grad (unsharded params, stage 1)
         self._clipped = False
         for slot in self._memory_slots():
@@ -366,7 +385,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError("zinf clip_grad_norm_ supports norm_type=2.0 only")
-        self._bind()
+        self.bind()
         self._reduce_stage1_grads()
         device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
         # float64 sums; on the parameters' device, where NCCL can reduce them.
@@ -374,7 +393,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
         grads = []
         grads_on_disk = []
-        for slot in self._all_slots():
+        for slot in self.slots():
             if slot.record is not None and slot.record.grad_on_disk:
                 # An nvme-tier gradient: its norm was taken as it was written.
                 grads_on_disk.append(slot.record)
@@ -404,7 +423,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
         return total_norm
 
     def state_dict(self) -> dict[str, Any]:
-        self._bind()
+        """This rank's state for its shards, with the world size and rank it belongs to (``"zinf"``).
+
+        Loads only into the same world size; ``zinf.save`` writes a checkpoint
+        that reshards, and is the one that holds NVMe-tier state.
+        """
+        self.bind()
         if self._nvme_slots:
             raise NotImplementedError(
                 "state_dict() of an optimizer whose state rests on NVMe (offload_optimizer='nvme') is not "
@@ -417,6 +441,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` of the same world size (kept until binding if nothing is sharded yet)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("zinf", None)
         if saved is not None and saved["world_size"] != self._mesh().shard.world_size:
@@ -430,7 +455,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             # belongs to shards that do not exist.  Load it when the optimizer binds.
             self._pending_state = state_dict
             return
-        self._bind()
+        self.bind()
         self._load_inner(state_dict)
 
     def _load_inner(self, state_dict: dict[str, Any]) -> None:
@@ -442,6 +467,48 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
+
+    # --- the state, for zinf_compiler.checkpoint (it reads and restores only through these) ----------
+
+    @property
+    def bound(self) -> bool:
+        """Whether the optimizer has bound its parameters to the store's shards (see :meth:`bind`)."""
+        return self._inner is not None
+
+    def memory_state(self, slot: Slot) -> dict[str, Any]:
+        """The state the in-memory optimizer holds for ``slot``'s master (``{}``: none yet, or on NVMe)."""
+        if self._inner is None or slot.state_on_nvme:
+            return {}
+        return self._inner.state.get(slot.master, {})
+
+    def nvme_steps(self, slot: Slot) -> int:
+        """Adam steps an NVMe-tier ``slot`` has taken (0: none); its moments are in its record's swap files."""
+        if self._nvme is None or not slot.state_on_nvme:
+            return 0
+        return self._nvme.steps.get(slot.record.uid, 0)
+
+    def restore_state(self, memory_states: dict[Slot, dict[str, Any]], nvme_steps: dict[Slot, int]) -> None:
+        """Replace the whole state of a bound optimizer.
+
+        ``memory_states``: the in-memory state of each slot stepped in memory
+        (a slot left out starts fresh).  ``nvme_steps``: the step count of each
+        NVMe-tier slot whose moments the caller has written to its swap files
+        (left out, or 0: starts fresh).
+        """
+        if self._inner is None:
+            raise RuntimeError("restore_state() of an optimizer that is not bound yet: call bind() first")
+        inner_state = self._inner.state_dict()
+        # The inner optimizer numbers its tensors in the order of its parameter groups: the memory slots'.
+        inner_state["state"] = {index: memory_states[slot] for index, slot in enumerate(self._memory_slots())
+                                if memory_states.get(slot)}
+        self._inner.load_state_dict(inner_state)
+        for slot, _ in self._nvme_slots:
+            steps = nvme_steps.get(slot, 0)
+            if steps:
+                self._nvme.steps[slot.record.uid] = steps
+            else:
+                self._nvme.steps.pop(slot.record.uid, None)
+        self._account_state()
 
     # --- accounting --------------------------------------------------------------
 
@@ -481,7 +548,7 @@ def _unaccount_state(state_bytes: dict[str, int], ledger) -> None:
 
 
 @contextlib.contextmanager
-def _stepping_only(inner: torch.optim.Optimizer, slots: list[_Slot] | None):
+def _stepping_only(inner: torch.optim.Optimizer, slots: list[Slot] | None):
     """Within the block, ``inner.step()`` updates only these slots' masters (None: all)."""
     if slots is None:
         yield
@@ -598,10 +665,13 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
 
 
 def live_optimizers() -> list[ZinfOptimizer]:
+    """Every zinf optimizer still alive in this process (the clipping guard finds the one holding the parameters)."""
     return list(_LIVE_OPTIMIZERS)
 
 
 class AdamW(ZinfOptimizer):
+    """``torch.optim.AdamW`` over zinf's shards (same arguments and defaults)."""
+
     inner_class = torch.optim.AdamW
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kwargs):
@@ -609,6 +679,8 @@ class AdamW(ZinfOptimizer):
 
 
 class Adam(ZinfOptimizer):
+    """``torch.optim.Adam`` over zinf's shards (same arguments and defaults)."""
+
     inner_class = torch.optim.Adam
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, **kwargs):
@@ -616,6 +688,8 @@ class Adam(ZinfOptimizer):
 
 
 class SGD(ZinfOptimizer):
+    """``torch.optim.SGD`` over zinf's shards (same arguments and defaults)."""
+
     inner_class = torch.optim.SGD
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **kwargs):

@@ -179,6 +179,8 @@ def _mesh(value: Any):
 
 @dataclasses.dataclass(frozen=True)
 class OptionSpec:
+    """One option: its name, default, parser (raises ``ValueError`` saying what it accepts) and meaning."""
+
     name: str
     default: Any
     parse: Callable[[Any], Any]
@@ -307,6 +309,7 @@ class ZinfOptions:
     disable_passes: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:
+        """The options as a plain ``{name: value}`` dict (``dataclasses.asdict``): what the dump index records."""
         return dataclasses.asdict(self)
 
 

@@ -26,6 +26,11 @@ def run_passes(
     dumper: GraphDumper,
     pipeline: Sequence | None = None,
 ) -> torch.fx.GraphModule:
+    """Run every pass of ``pipeline`` (default: ``passes.PIPELINE``) that applies to ``ctx.kind`` and is not disabled.
+
+    The captured graph and each pass's result are verified against the captured signature and dumped;
+    returns the rewritten graph.
+    """
     if pipeline is None:
         from zinf_compiler.passes import PIPELINE as pipeline
     started = time.perf_counter()

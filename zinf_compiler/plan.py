@@ -83,6 +83,7 @@ def value_bytes(nodes) -> int:
 
 
 def unit_name(ctx: GraphContext, slots: list[int], tile: int | None) -> str:
+    """A unit's name in the schedule: its parameters' names, joined, with ``[tile N]`` for one tile."""
     names = ", ".join(ctx.captured.inputs[slot].name for slot in slots)
     return names + (f"[tile {tile}]" if tile is not None else "")
 

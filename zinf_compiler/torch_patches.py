@@ -44,6 +44,7 @@ _hook_handle = None
 
 
 def installed() -> bool:
+    """Whether :func:`install` has run (and :func:`uninstall` not since)."""
     return _hook_handle is not None
 
 

@@ -236,3 +236,27 @@ def test_a_parameter_keeps_the_mesh_it_was_adopted_with(store):
     assert store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=RUNTIME.comm.mesh()) is record
     with pytest.raises(ZinfStoreError, match="same stage, partition, param_dtype, offload options and mesh"):
         store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=MeshComm(RUNTIME.comm))
+
+
+def test_the_graph_ops_reach_the_store_of_the_call_they_run_in(store):
+    from zinf_compiler import ops  # noqa: F401  (registers torch.ops.zinf)
+    from zinf_compiler.runtime import binding
+    from zinf_compiler.runtime.process import RUNTIME
+
+    expected, record = _adopt(store, "nvme")
+    zinf, cpu = torch.ops.zinf, torch.device("cpu")
+    with pytest.raises(binding.ZinfBindingError):
+        zinf.nc_start([0], cpu)  # no call in progress: no store to reach
+    process_pinned = RUNTIME.store.pinned.in_use_bytes if RUNTIME.store.pinned is not None else 0
+    with binding.bound(binding.Binding({0: record}, graph_id=7, store=store)):
+        token = zinf.nc_wait(zinf.nc_start([0], cpu), [0])
+        assert store.pinned.in_use_bytes > 0  # this store's pool, not the process store's
+        token = zinf.cg_wait(zinf.cg_start([0], cpu, token), [0])
+        (value,) = zinf.gather_wait(zinf.gather_start([0], cpu, token), [0], list(expected.shape), [2],
+                                    torch.float32)
+        assert torch.equal(value, expected)
+        zinf.release([value], [0])
+        with pytest.raises(binding.ZinfBindingError, match="graph 7: no parameter bound to input slot 1"):
+            zinf.nc_start([1], cpu)
+    assert store.pinned.in_use_bytes == 0 and store.transient["device"] == 0
+    assert (RUNTIME.store.pinned.in_use_bytes if RUNTIME.store.pinned is not None else 0) == process_pinned
