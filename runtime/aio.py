@@ -81,7 +81,7 @@ import weakref
 from .aio_requests import (ALIGNMENT, AioChecksumError, AioError, AioRequest, KeyCopy, SwapKey, SwapState,
                            SwapTransaction, buffer_address, byte_view, human_bytes, round_up, run_worker)
 from .trace import Tracer
-from .swap_folders import owner_tag, probe_direct, remove_stale_folders, unwatch_folder, validate_folder, watch_folder
+from .swap_folders import FolderWatch, owner_tag, probe_direct, remove_stale_folders, validate_folder
 
 # The engine's public surface, with what it re-exports from its two parts.
 __all__ = ["ALIGNMENT", "AioChecksumError", "AioEngine", "AioError", "AioRequest", "human_bytes",
@@ -121,7 +121,7 @@ def _shutdown(state: SwapState) -> None:
                 key.fd = None
         state.open_files.clear()
     shutil.rmtree(state.folder, ignore_errors=True)
-    unwatch_folder(state)
+    state.folder_watch.unwatch(state)
 
 
 class AioEngine:
@@ -130,7 +130,8 @@ class AioEngine:
     ``block_size``: bytes per piece (rounded up to 4096); ``queue_depth``:
     pieces of one request queued or running at once; ``threads``: worker
     threads doing the I/O; ``tracer``: the timeline its transfers and waits
-    are drawn on (default: the process's, ``RUNTIME.tracer``).  Attributes:
+    are drawn on (default: the process's, ``RUNTIME.tracer``); ``folder_watch``:
+    what removes the private folder on SIGTERM (default: ``RUNTIME.swap_folders``).  Attributes:
     ``folder`` (the private folder), ``direct``, ``backend``,
     ``bytes_written``, ``bytes_read``, ``busy_seconds``.
     """
@@ -138,7 +139,7 @@ class AioEngine:
     backend = "threads"
 
     def __init__(self, folder: str, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4,
-                 copies: int = 2, tracer: Tracer | None = None):
+                 copies: int = 2, tracer: Tracer | None = None, folder_watch: FolderWatch | None = None):
         if block_size <= 0 or queue_depth < 1 or threads < 1 or copies not in (1, 2):
             raise ValueError(f"aio settings out of range: block_size={block_size} (> 0), "
                              f"queue_depth={queue_depth} (>= 1), threads={threads} (>= 1), copies={copies} "
@@ -163,13 +164,15 @@ class AioEngine:
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
-        if tracer is None:
+        if tracer is None or folder_watch is None:
             from .process import RUNTIME  # (it imports this module)
 
-            tracer = RUNTIME.tracer
+            tracer = RUNTIME.tracer if tracer is None else tracer
+            folder_watch = RUNTIME.swap_folders if folder_watch is None else folder_watch
         self._state = SwapState(self.folder, self.direct, self.block_size, queue_depth, copies, tracer)
         self._state.background_threads = max(1, threads - 1)  # one worker always free for the foreground
-        watch_folder(self._state, self.folder)  # removed if a SIGTERM ends the process
+        self._state.folder_watch = folder_watch
+        folder_watch.watch(self._state, self.folder)  # removed if a SIGTERM ends the process
         # Registered before the threads start, so an error below still removes the folder.
         self._finalizer = weakref.finalize(self, _finalize, self._state)
         for index in range(threads):

@@ -130,6 +130,7 @@ class SwapState:
         # for more than a piece (the optimizer's steps during backward vs the graph's reads).
         self.background: deque = deque()
         self.background_threads = 1
+        self.folder_watch = None  # the process's FolderWatch (runtime/swap_folders.py), set by the engine
         self.background_running = 0
         self.stopping = False
         self.closed = False

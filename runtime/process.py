@@ -4,10 +4,11 @@ What a process holds for zinf whatever models it compiles lives in one
 :class:`Runtime`, :data:`RUNTIME`, made at import: the step tracer, the copy
 engine, the collectives of the default process group (subgroups and meshes
 hang off it), the parameter store (with its pinned pool and swap engines) and
-the activation store.  Nothing else in the runtime keeps mutable state at
-module level, except what a signal handler must reach (the swap folders to
-remove on SIGTERM, runtime/swap_folders.py) and the binding's per-thread
-current call (runtime/binding.py).
+the activation store, the swap folders a SIGTERM must remove, and the zinf
+optimizers alive.  Nothing else in the runtime keeps mutable state at module
+level, except the binding's per-thread current call and the listeners told
+when it changes (runtime/binding.py): that is how a graph's ops are handed the
+call they run in, thread state like torch's grad mode, not state of a model.
 
 What is a model's own is not here: its fp16 loss scaler, device budget,
 collective timeout and mesh live in its :class:`~.ledger.Ledger` and its
@@ -17,11 +18,13 @@ parameters' records, so two models in one process never share them.
 from __future__ import annotations
 
 import time
+import weakref
 
 from .activations import ActivationStore
 from .comm import Comm
 from .copy_engine import CopyEngine
 from .store import ParamStore
+from .swap_folders import FolderWatch
 from .trace import Tracer
 
 # A swap folder scan for the trace's nvme bytes at most this often.
@@ -29,9 +32,14 @@ NVME_SAMPLE_SECONDS = 0.05
 
 
 class Runtime:
-    """One process's tracer, copier, default-group collectives, parameter store and activation store."""
+    """One process's tracer, copier, default-group collectives, parameter and activation stores, swap folders
+    and live optimizers."""
 
     def __init__(self) -> None:
+        self.swap_folders = FolderWatch()  # before any swap engine: each registers its folder here
+        # The zinf optimizers alive (zinf_compiler/optim.py): clip_grad_norm_'s guard finds the one holding
+        # the parameters it is given; zinf.memory_report counts their state.
+        self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
         self.tracer = Tracer()
         self.copier = CopyEngine(self.tracer)
         self.comm = Comm(copier=self.copier, tracer=self.tracer)

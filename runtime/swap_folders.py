@@ -58,38 +58,45 @@ def validate_folder(folder: str | None, needed_bytes: int) -> None:
 # swap folder behind until the next start.  While a swap folder exists, a
 # SIGTERM that would kill the process first removes them.
 
-_LIVE_FOLDERS: dict[int, str] = {}  # id(state) -> swap folder of this process's open engines
-_SIGTERM_INSTALLED = False
+class FolderWatch:
+    """The swap folders of a process's open engines, removed if a SIGTERM ends the process.
 
+    One per process (``Runtime.swap_folders``); its handler is a bound method,
+    so the signal reaches the folders without an import or a lock.
+    """
 
-def watch_folder(owner: object, folder: str) -> None:
-    """Remove ``folder`` if a SIGTERM ends the process while ``owner`` (an engine's state) is open."""
-    _LIVE_FOLDERS[id(owner)] = folder
-    _watch_sigterm()
+    def __init__(self) -> None:
+        self._folders: dict[int, str] = {}  # id(owner) -> the swap folder of an open engine
+        self._installed = False
 
+    def watch(self, owner: object, folder: str) -> None:
+        """Remove ``folder`` if a SIGTERM ends the process while ``owner`` (an engine's state) is open."""
+        self._folders[id(owner)] = folder
+        self._install()
 
-def unwatch_folder(owner: object) -> None:
-    """``owner`` removed its folder itself (see :func:`watch_folder`)."""
-    _LIVE_FOLDERS.pop(id(owner), None)
+    def unwatch(self, owner: object) -> None:
+        """``owner`` removed its folder itself (see :meth:`watch`)."""
+        self._folders.pop(id(owner), None)
 
+    def folders(self) -> list[str]:
+        """The folders a SIGTERM would remove now."""
+        return list(self._folders.values())
 
-def _remove_folders_then_die(signum, frame) -> None:
-    # No locks, no joins: the signal may arrive inside any critical section.  Open
-    # files of unlinked swap keys just vanish when the process ends right after.
-    for folder in list(_LIVE_FOLDERS.values()):
-        shutil.rmtree(folder, ignore_errors=True)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    def _remove_folders_then_die(self, signum, frame) -> None:
+        # No locks, no joins: the signal may arrive inside any critical section.  Open
+        # files of unlinked swap keys just vanish when the process ends right after.
+        for folder in list(self._folders.values()):
+            shutil.rmtree(folder, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
-
-def _watch_sigterm() -> None:
-    """Install the SIGTERM cleanup once, only over the default action (a user's own handler is kept)."""
-    global _SIGTERM_INSTALLED
-    if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _remove_folders_then_die)
-    _SIGTERM_INSTALLED = True
+    def _install(self) -> None:
+        """Install the SIGTERM cleanup once, only over the default action (a user's own handler is kept)."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._remove_folders_then_die)
+        self._installed = True
 
 
 # --- swap folders left by killed runs ---------------------------------------------------

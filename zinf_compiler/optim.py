@@ -33,8 +33,6 @@ from zinf_compiler.runtime.process import RUNTIME
 # With parameters on NVMe, masters are stepped and written back this many bytes at a time.
 PUBLISH_CHUNK_BYTES = 32 << 20
 
-_LIVE_OPTIMIZERS: "weakref.WeakSet[ZinfOptimizer]" = weakref.WeakSet()
-
 
 @dataclasses.dataclass(eq=False)
 class Slot:
@@ -93,7 +91,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._clipped = False
         # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
         self._ledger = RUNTIME.store.group(p for group in self.param_groups for p in group["params"])
-        _LIVE_OPTIMIZERS.add(self)
+        RUNTIME.optimizers.add(self)
         # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
         weakref.finalize(self, _unaccount_state, self._state_bytes, self._ledger)
 
@@ -666,7 +664,7 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
 
 def live_optimizers() -> list[ZinfOptimizer]:
     """Every zinf optimizer still alive in this process (the clipping guard finds the one holding the parameters)."""
-    return list(_LIVE_OPTIMIZERS)
+    return list(RUNTIME.optimizers)
 
 
 class AdamW(ZinfOptimizer):

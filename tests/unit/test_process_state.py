@@ -1,0 +1,73 @@
+"""Issue 27, acceptance 1: the runtime keeps no mutable state at module level but its one registry.
+
+Read from the source: a module-level name bound to a container or a
+per-thread object (``{}``, ``[]``, ``set()``, ``WeakSet()``, ``threading.local()``,
+...) in runtime/ is process state outside ``RUNTIME``.  The allowed ones are
+listed here with the reason, so a new one is a decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import zinf_compiler.runtime
+
+RUNTIME_DIR = pathlib.Path(zinf_compiler.runtime.__file__).parent
+
+ALLOWED = {
+    # The one registry.
+    ("process.py", "RUNTIME"),
+    # The graph's ops are handed the call they run in through this thread's binding
+    # (thread state, like torch's grad mode), and the listeners told when it changes.
+    ("binding.py", "_local"),
+    ("binding.py", "_listeners"),
+    # Constant tables, never written after import.
+    ("transfers.py", "LEGAL_TRANSITIONS"),
+    ("agreement.py", "_DOING"),
+    ("records.py", "DTYPES"),
+    ("checkpoint_files.py", "DTYPE_NAMES"),
+    ("checkpoint_files.py", "DTYPES_BY_NAME"),
+    ("checkpoint_files.py", "SAFETENSORS_DTYPES"),
+    ("checkpoint_files.py", "DTYPES_BY_SAFETENSORS"),
+    ("aio.py", "__all__"),
+    ("store.py", "__all__"),
+}
+
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "WeakSet", "WeakValueDictionary",
+                  "WeakKeyDictionary", "local", "Runtime"}
+
+
+def _module_state(path: pathlib.Path) -> list[str]:
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+        if isinstance(value, ast.Call):
+            func = value.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            mutable = called in _MUTABLE_CALLS
+        if mutable:
+            names += [target.id for target in targets if isinstance(target, ast.Name)]
+    return names
+
+
+def test_no_module_level_mutable_state_in_the_runtime_but_the_registry():
+    files = sorted(RUNTIME_DIR.glob("*.py"))
+    assert len(files) > 20
+    found = {(path.name, name) for path in files for name in _module_state(path)}
+    assert found - ALLOWED == set(), f"module-level mutable state outside RUNTIME: {sorted(found - ALLOWED)}"
+    assert ("process.py", "RUNTIME") in found  # the check sees what it looks for
+
+
+def test_the_registry_holds_what_was_module_state_before():
+    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.runtime.swap_folders import FolderWatch
+
+    assert isinstance(RUNTIME.swap_folders, FolderWatch)
+    assert RUNTIME.store.comm is RUNTIME.comm and RUNTIME.comm.copier is RUNTIME.copier
