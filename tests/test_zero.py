@@ -144,13 +144,21 @@ def _check_hsdp(results, refusals):
     """Issue 27 acceptance 2: option mesh, a 2-D DeviceMesh (replicate, shard) over 4 ranks: parameters
     sharded within each pair of ranks, gradients reduce-scattered there and averaged across the pairs
     (HSDP), at stages 1-3 and with CPU offload; a 1-D DeviceMesh over every rank trains like no mesh
-    (equality with eager: _check).  Meshes zinf refuses raise on every rank alike."""
+    (equality with eager: _check).  Meshes zinf refuses raise on every rank alike; checkpoints of a 2x2
+    mesh save and load."""
     for refused in refusals:
         assert refused["stage 0"][0] == "ZinfOptionError" and "needs stage 1, 2 or 3" in refused["stage 0"][1], refused
         assert refused["3-D mesh"][0] == "ZinfOptionError" and "3-D DeviceMesh" in refused["3-D mesh"][1], refused
         assert "not settable from the environment" in refused["environment"][1], refused
-        assert refused["save"][0] == "ZinfCheckpointError", refused
-        assert "sharded over a mesh of 2 replicas x 2 shards" in refused["save"][1], refused
+    # zinf.save over a 2x2 mesh: one replica writes the shard group's two files; zinf.load restores the
+    # weights and moments, into the same mesh and into 4 shards without one, and the next steps go on alike.
+    checkpoints = [refused["checkpoint"] for refused in refusals]
+    for checkpoint in checkpoints:
+        assert checkpoint["files"] == ["rank-00000.bin", "rank-00000.json", "rank-00001.bin", "rank-00001.json"]
+        assert checkpoint["mesh"] == {"replicas": 2, "shards": 2}
+        assert checkpoint["same mesh"]["state_equal"] and checkpoint["no mesh"]["state_equal"], checkpoint
+        assert checkpoint["same mesh"]["next_losses"] == checkpoint["next_losses"], checkpoint
+        assert checkpoint["no mesh"]["next_losses"] == pytest.approx(checkpoint["next_losses"], rel=1e-5), checkpoint
     for rank_results in results:
         for config_result in rank_results:
             config, calls = config_result["config"], config_result["calls_per_step"]

@@ -126,7 +126,6 @@ def mesh_refusals(cfg: GPTConfig, world: int) -> dict:
         "stage 0": lambda: torch.compile(GPT(cfg), backend="zinf", options={"stage": 0, "mesh": mesh})(idx, targets),
         "3-D mesh": lambda: zinf.parse_options({"mesh": init_device_mesh("cpu", (1, 2, world // 2))}),
         "environment": lambda: zinf.parse_options({}, environ={"ZINF_MESH": "2x2"}),
-        "save": lambda: zinf.save(os.path.join(os.environ["TMPDIR"], "ckpt"), compiled),
     }
     for what, attempt in attempts.items():
         torch._dynamo.reset()
@@ -140,12 +139,59 @@ def mesh_refusals(cfg: GPTConfig, world: int) -> dict:
     return refusals
 
 
+def mesh_checkpoint(cfg: GPTConfig, world: int) -> dict:
+    """zinf.save of a model on a 2 x (world/2) mesh (HSDP) with its optimizer, loaded into a new model on the
+    same mesh and into one sharded over every rank without a mesh: the saved weights, and the next two steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    folder = os.path.join(os.environ["TMPDIR"], "mesh-checkpoint")  # one folder: every rank's TMPDIR
+    batches = list(synthetic_batches(cfg, world, 4))
+
+    def build(seed: int, options: dict):
+        torch._dynamo.reset()
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+        compiled = torch.compile(model, backend="zinf", options={"stage": 3, "lower": "eager", **options})
+        return compiled, zinf.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(compiled, opt, index: int) -> float:
+        idx, targets = batches[index]
+        loss = compiled(idx[rank : rank + 1], targets[rank : rank + 1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    def same_state(compiled, expected) -> bool:
+        state = zinf.full_state_dict(compiled)
+        return set(state) == set(expected) and all(torch.equal(state[name], expected[name]) for name in expected)
+
+    compiled, opt = build(0, {"mesh": mesh, "offload_optimizer": "cpu"})
+    step(compiled, opt, 0)
+    step(compiled, opt, 1)
+    zinf.save(folder, compiled, opt)
+    saved = zinf.full_state_dict(compiled)
+    result = {"files": sorted(name for name in os.listdir(folder) if name.startswith("rank-")),
+              "mesh": json.load(open(os.path.join(folder, "meta.json")))["mesh"],
+              "next_losses": [step(compiled, opt, 2), step(compiled, opt, 3)]}
+    for name, options in (("same mesh", {"mesh": mesh, "offload_optimizer": "cpu"}), ("no mesh", {})):
+        compiled, opt = build(1, options)
+        step(compiled, opt, 0)  # a step of its own first: the load must replace weights and moments
+        zinf.load(folder, compiled, opt)
+        # The second loss follows a step from the loaded moments: it checks them too.
+        result[name] = {"state_equal": same_state(compiled, saved),
+                        "next_losses": [step(compiled, opt, 2), step(compiled, opt, 3)]}
+    return result
+
+
 def main() -> None:
     args, world, rank = start_rank()
     cfg = GPTConfig(**args["model"], frozen_scale=True)
     results = [train(config, cfg, world, rank, args["steps"], args["batch"]) for config in args["configs"]]
     if args.get("mesh_refusals"):
-        results.append(mesh_refusals(cfg, world))
+        results.append({**mesh_refusals(cfg, world), "checkpoint": mesh_checkpoint(cfg, world)})
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
         json.dump(results, handle)
     finish_rank()

@@ -22,6 +22,10 @@ A checkpoint is a folder:
 Element ranges of the flat parameter, not shards, are what make a checkpoint
 independent of the layout: a load at another world size, partition, tile
 plan or tier reads, for each range its shard needs, the pieces that cover it.
+A model sharded over a ``mesh`` option's 2-D mesh (HSDP) is saved by its
+first replica alone, one file per shard rank (the other replicas hold the
+same shards); ``meta.json`` says so (``mesh``).  It loads like any other
+checkpoint, into any mesh or none.
 
 Atomicity: everything is written into ``<path>.partial``, each file under a
 temporary name, fsynced and renamed; the ranks then agree (an all-gather of
@@ -82,19 +86,29 @@ __all__ = ["save", "load", "latest", "export", "to_safetensors", "ZinfCheckpoint
 # --- what a model and its optimizer hold ---------------------------------------------
 
 
-def _refuse_meshes(model: torch.nn.Module, what: str, spanning_ok: bool = False) -> None:
-    """Refuse a model sharded over a ``mesh`` option's groups (checkpoint files are numbered by the
-    default group's ranks); ``spanning_ok``: a mesh over every rank is fine (export gathers)."""
+def _model_mesh(model: torch.nn.Module, what: str):
+    """The mesh the model's parameters are sharded over (None: the default group's ranks).
+
+    A mesh must span every rank (all of them call save and load) and be one
+    for the whole model; anything else is refused naming the parameter.
+    """
+    meshes = {}
     for _, param in _named_params(model):
         record = RUNTIME.store.lookup(param)
         if record is None or record.mesh.is_default:
             continue
-        if spanning_ok and record.mesh.everyone.world_size == RUNTIME.store.comm.world_size:
-            continue
-        raise ZinfCheckpointError(
-            f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh); "
-            f"checkpoints of such models are not supported yet. zinf.full_state_dict(model) gathers every weight "
-            f"on every rank of the mesh (save it from one rank with torch.save; load it with model.load_state_dict)")
+        if record.mesh.everyone.world_size != RUNTIME.store.comm.world_size:
+            raise ZinfCheckpointError(
+                f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh), which "
+                f"spans {record.mesh.everyone.world_size} of the {RUNTIME.store.comm.world_size} ranks; checkpoints "
+                f"need a mesh over every rank. zinf.full_state_dict(model) gathers every weight on every rank of the "
+                f"mesh (save it from one rank with torch.save; load it with model.load_state_dict)")
+        meshes.setdefault(id(record.mesh), (record.name, record.mesh))
+    if len(meshes) > 1:
+        (first, mesh), (second, other) = list(meshes.values())[:2]
+        raise ZinfCheckpointError(f"zinf.{what}: parameters {first} and {second} are sharded over different meshes "
+                                  f"({mesh.describe()}, {other.describe()}); save each model on its own")
+    return next(iter(meshes.values()))[1] if meshes else None
 
 
 def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -205,9 +219,16 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """
     path = os.path.abspath(os.fspath(path))
     comm = RUNTIME.store.comm
-    rank, world_size = comm.rank, comm.world_size
+    rank = comm.rank
     RUNTIME.store.collect()
-    _refuse_meshes(model, "save")
+    # The files are numbered by shard rank.  With replicas (HSDP) every replica holds the same
+    # shards: the first writes them, the others only take part in the agreement.
+    mesh = _model_mesh(model, "save")
+    if mesh is None:
+        file_rank, world_size, writes = comm.rank, comm.world_size, True
+    else:
+        file_rank, world_size = mesh.shard.rank, mesh.shard.world_size
+        writes = mesh.replicate is None or mesh.replicate.rank == 0
     started = time.perf_counter()
     if optimizer is not None:
         _check_optimizer(optimizer)
@@ -224,11 +245,13 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if prepared is not None:
         raise ZinfCheckpointError(f"save to {path} failed; nothing was written: {prepared}")
     outcome, failure = None, None
+    written = None  # (manifest, its CRC32, data bytes) of a rank that writes
     try:
-        manifest = _write_rank(staging, rank, model, optimizer)
-        manifest_name = f"rank-{rank:05d}.json"
-        manifest_crc = write_json_atomic(os.path.join(staging, manifest_name), manifest)
-        written = (manifest_name, manifest_crc, manifest["data"]["bytes"])
+        if writes:
+            manifest = _write_rank(staging, file_rank, model, optimizer)
+            manifest_name = f"rank-{file_rank:05d}.json"
+            manifest_crc = write_json_atomic(os.path.join(staging, manifest_name), manifest)
+            written = (manifest_name, manifest_crc, manifest["data"]["bytes"])
     except Exception as err:  # every rank must hear of it, or the others would commit without this rank
         written, outcome, failure = None, f"rank {rank}: {type(err).__name__}: {err}", err
     outcomes = comm.all_gather_object((written, outcome), "all_gather of checkpoint outcomes (save)")
@@ -243,7 +266,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if rank == 0:
         try:
             _commit(staging, path, model, optimizer, extra, world_size,
-                    {name: crc for (name, crc, _), _ in outcomes})
+                    {written[0]: written[1] for written, _ in outcomes if written is not None}, mesh)
         except Exception as err:  # the other ranks wait for the outcome, not for a barrier that never comes
             _remove(staging, quiet=True)
             committed, failure = f"{type(err).__name__}: {err}", err
@@ -252,15 +275,20 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         error = ZinfCheckpointError(f"save to {path} failed while committing; nothing was committed (the previous "
                                     f"checkpoint at that path, if any, is untouched): {committed}")
         raise error from failure
-    total = sum(nbytes for (_, _, nbytes), _ in outcomes)
+    total = sum(written[2] for written, _ in outcomes if written is not None)
     log.info("zinf.save: %s (%s bytes over %d rank(s)) in %.1f s", path, f"{total:,}", world_size,
              time.perf_counter() - started)
     return path
 
 
-def _commit(staging: str, path: str, model, optimizer, extra, world_size: int, manifests: dict[str, int]) -> None:
+def _commit(staging: str, path: str, model, optimizer, extra, world_size: int, manifests: dict[str, int],
+            mesh) -> None:
     """Rank 0: write ``extra``, ``meta.json`` and the commit marker into ``staging``, then publish it at ``path``."""
     meta = _meta(model, optimizer, world_size, manifests)
+    if mesh is not None:
+        # Said for the reader: the files are the shard group's; RNG states are the writing replica's only.
+        meta["mesh"] = {"replicas": mesh.replicate.world_size if mesh.replicate is not None else 1,
+                        "shards": mesh.shard.world_size}
     if extra is not None:
         extra_path = os.path.join(staging, "extra.pt")
         with create_new(extra_path + ".tmp") as handle:
@@ -825,7 +853,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     path = os.path.abspath(os.fspath(path))
     comm = RUNTIME.store.comm
     RUNTIME.store.collect()
-    _refuse_meshes(model, "load")
+    mesh = _model_mesh(model, "load")
     try:
         checkpoint = Checkpoint(path)
         error = None
@@ -859,11 +887,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         checkpoint.close()
     # Into this model's ledger (made now if it has none yet: its parameters join it when adopted).
     RUNTIME.store.group([param for _, param in _named_params(model)]).fp16_scaler.load_state(meta["fp16_scaler"])
-    if meta["world_size"] == comm.world_size:
+    if meta["world_size"] == comm.world_size and mesh is None and "mesh" not in meta:
         _set_rng_state(checkpoint.manifests[comm.rank]["rng"])
     else:
-        log.info("zinf.load: saved at world size %d, loaded at %d: RNG states not restored", meta["world_size"],
-                 comm.world_size)
+        log.info("zinf.load: saved over %d rank(s)%s, loaded at %d%s: RNG states not restored",
+                 meta["world_size"], " (files of one replica's shards)" if "mesh" in meta else "", comm.world_size,
+                 f" over {mesh.describe()}" if mesh is not None else "")
     return extra
 
 
@@ -1097,7 +1126,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     comm = RUNTIME.store.comm
     rank = comm.rank
     RUNTIME.store.collect()
-    _refuse_meshes(model, "export", spanning_ok=True)
+    _model_mesh(model, "export")
     module = _unwrap(model)
     named = _named_params(module)
     tensors = [(name, param) for name, param in named] + _named_buffers(module, {id(p) for _, p in named})
