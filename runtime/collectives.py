@@ -33,8 +33,8 @@ def start_gather(unit: Unit, local: torch.Tensor, group: Comm, timeout: float | 
     return work, matrix
 
 
-def add_each_into_its_row(unit: Unit, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """At world size 1 (nothing to average): each piece's flat gradient as its padded row slice.
+def padded_rows(unit: Unit, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """At world size 1 (nothing to average): each piece's flat gradient laid out as its row of the matrix.
 
     A piece whose one segment covers its whole width is passed as it is.
     """

@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 
 from .aio import AioError
-from .collectives import add_each_into_its_row, finish_reduce, start_reduce
+from .collectives import finish_reduce, padded_rows, start_reduce
 from .nvme_adam import state_key, sub_groups
 from .grad_hooks import run_grad_hooks
 from .ledger import ZinfStoreError
@@ -51,7 +51,7 @@ class GradientSteps:
                 flats.append(flat)
             if unit.sizes.reduce == 0:
                 # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
-                for piece, row in zip(unit.pieces, add_each_into_its_row(unit, flats)):
+                for piece, row in zip(unit.pieces, padded_rows(unit, flats)):
                     self._accumulate(piece, row, private=False)
                 transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
                 transfer.work = DONE  # and no value: added already

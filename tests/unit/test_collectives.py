@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zinf_compiler.runtime.collectives import add_each_into_its_row, finish_reduce, start_gather, start_reduce
+from zinf_compiler.runtime.collectives import finish_reduce, padded_rows, start_gather, start_reduce
 from zinf_compiler.runtime.records import DONE
 from zinf_compiler.runtime.units import ParamLayout, unit_of
 
@@ -154,7 +154,7 @@ def test_every_rank_assembles_the_values_and_reduces_the_average_into_what_it_ow
                  grads[rank][index][slice(*unit.pieces[0].layout.tile_row_range(tile))].reshape(-1)
                  for index in range(len(unit.pieces))]
         if unit.sizes.reduce == 0:  # world size 1: added into the shard at once
-            outs.append(torch.cat(add_each_into_its_row(unit, flats)))
+            outs.append(torch.cat(padded_rows(unit, flats)))
             continue
         outs.append(start_reduce(unit, flats, simulated.group(rank), None))
     simulated.complete()
