@@ -150,6 +150,8 @@ def _check_hsdp(results, refusals):
         assert refused["stage 0"][0] == "ZinfOptionError" and "needs stage 1, 2 or 3" in refused["stage 0"][1], refused
         assert refused["3-D mesh"][0] == "ZinfOptionError" and "3-D DeviceMesh" in refused["3-D mesh"][1], refused
         assert "not settable from the environment" in refused["environment"][1], refused
+        assert refused["save mixed"][0] == "ZinfCheckpointError", refused
+        assert "different meshes" in refused["save mixed"][1] and "every rank" in refused["save mixed"][1], refused
     # zinf.save over a 2x2 mesh: one replica writes the shard group's two files; zinf.load restores the
     # weights and moments, into the same mesh and into 4 shards without one, and the next steps go on alike.
     checkpoints = [refused["checkpoint"] for refused in refusals]

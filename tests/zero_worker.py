@@ -122,10 +122,17 @@ def mesh_refusals(cfg: GPTConfig, world: int) -> dict:
     idx, targets = next(iter(synthetic_batches(cfg, 1, 1)))
     compiled(idx, targets).backward()
     refusals = {}
+
+    def save_mixed():  # one model on the mesh, one over every rank, saved as one
+        plain = torch.nn.Linear(8, 8)  # small: compiled on four ranks sharing two cores
+        torch.compile(plain, backend="zinf", options={"stage": 3, "lower": "eager"})(torch.ones(2, 8)).sum().backward()
+        zinf.save(os.path.join(os.environ["TMPDIR"], "mixed"), torch.nn.ModuleDict({"mesh": model, "plain": plain}))
+
     attempts = {
         "stage 0": lambda: torch.compile(GPT(cfg), backend="zinf", options={"stage": 0, "mesh": mesh})(idx, targets),
         "3-D mesh": lambda: zinf.parse_options({"mesh": init_device_mesh("cpu", (1, 2, world // 2))}),
         "environment": lambda: zinf.parse_options({}, environ={"ZINF_MESH": "2x2"}),
+        "save mixed": save_mixed,
     }
     for what, attempt in attempts.items():
         torch._dynamo.reset()

@@ -86,16 +86,17 @@ __all__ = ["save", "load", "latest", "export", "to_safetensors", "ZinfCheckpoint
 # --- what a model and its optimizer hold ---------------------------------------------
 
 
-def _model_mesh(model: torch.nn.Module, what: str):
-    """The mesh the model's parameters are sharded over (None: the default group's ranks).
-
-    A mesh must span every rank (all of them call save and load) and be one
-    for the whole model; anything else is refused naming the parameter.
-    """
+def _spanning_meshes(model: torch.nn.Module, what: str) -> dict:
+    """The meshes the model's sharded parameters use: ``{None or id(mesh): (a parameter's name, mesh or None)}``
+    (None: the default group's ranks).  A mesh over only some of the ranks is refused naming the parameter:
+    all ranks call save, load and export."""
     meshes = {}
     for _, param in _named_params(model):
         record = RUNTIME.store.lookup(param)
-        if record is None or record.mesh.is_default:
+        if record is None:
+            continue
+        if record.mesh.is_default:
+            meshes.setdefault(None, (record.name, None))
             continue
         if record.mesh.everyone.world_size != RUNTIME.store.comm.world_size:
             raise ZinfCheckpointError(
@@ -104,10 +105,22 @@ def _model_mesh(model: torch.nn.Module, what: str):
                 f"need a mesh over every rank. zinf.full_state_dict(model) gathers every weight on every rank of the "
                 f"mesh (save it from one rank with torch.save; load it with model.load_state_dict)")
         meshes.setdefault(id(record.mesh), (record.name, record.mesh))
+    return meshes
+
+
+def _model_mesh(model: torch.nn.Module, what: str):
+    """The one mesh the model's parameters are sharded over (None: the default group's ranks).
+
+    Checkpoint files are numbered by the ranks of that one mesh: parameters
+    sharded over different ones (or some over a mesh, some over every rank)
+    are refused naming two of them.
+    """
+    meshes = _spanning_meshes(model, what)
     if len(meshes) > 1:
         (first, mesh), (second, other) = list(meshes.values())[:2]
+        describe = lambda m: m.describe() if m is not None else "every rank"  # noqa: E731
         raise ZinfCheckpointError(f"zinf.{what}: parameters {first} and {second} are sharded over different meshes "
-                                  f"({mesh.describe()}, {other.describe()}); save each model on its own")
+                                  f"({describe(mesh)}, {describe(other)}); save each model on its own")
     return next(iter(meshes.values()))[1] if meshes else None
 
 
@@ -1126,7 +1139,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     comm = RUNTIME.store.comm
     rank = comm.rank
     RUNTIME.store.collect()
-    _model_mesh(model, "export")
+    _spanning_meshes(model, "export")  # (export gathers each parameter over its own mesh)
     module = _unwrap(model)
     named = _named_params(module)
     tensors = [(name, param) for name, param in named] + _named_buffers(module, {id(p) for _, p in named})
