@@ -29,6 +29,31 @@ class _DoneWork:
         return True
 
 
+class _AllWork:
+    """One handle for several collectives that together make one (see :meth:`Comm.all_gather_into`):
+    ``wait()`` waits for each, then runs ``then`` (once)."""
+
+    def __init__(self, works: list, then=None) -> None:
+        self._works = works
+        self._then = then
+
+    def get_future(self):
+        """A future done when every part is (for the trace)."""
+        return torch.futures.collect_all([work.get_future() for work in self._works])
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else now() + timeout.total_seconds()
+        for work in self._works:
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=max(deadline - now(), 0.001)))
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+
 class ZinfCollectiveTimeout(RuntimeError):
     """A collective did not complete within ``collective_timeout``: some rank did not make the same call."""
 
@@ -137,6 +162,13 @@ class Comm:
         return dist.is_available() and dist.is_initialized()
 
     @property
+    def rooted_collectives(self) -> bool:
+        """Whether all-gathers and reduce-scatters run as one broadcast or reduce per rank (gloo, at
+        world size > 1: see :meth:`all_gather_into`); NCCL's own all-gather and reduce-scatter are the
+        fast ones there."""
+        return self.initialized and dist.get_backend(self.group) == "gloo"
+
+    @property
     def world_size(self) -> int:
         """Ranks in this group (1 without a process group)."""
         return dist.get_world_size(self.group) if self.initialized else 1
@@ -168,18 +200,64 @@ class Comm:
         nbytes = self._count("all_gather", output)
         if self.world_size == 1:
             return self.copier.copy(output, shard, "gg", "gather (local copy)")
-        return self._work(dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True), "gg", nbytes,
-                          what, timeout)
+        return self._work(self.start_all_gather_uncounted(output, shard), "gg", nbytes, what, timeout)
+
+    def start_all_gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor):
+        """The torch.distributed work of :meth:`all_gather_into` (world size > 1), neither counted nor
+        traced: what the cost model's probe times."""
+        if self.rooted_collectives:
+            # gloo: one broadcast from each rank into its row runs ~2-4x faster than gloo's
+            # all-gather here (benchmarks/RESULTS.md, "Collectives on gloo"); same bytes received.
+            rows = output.view(self.world_size, -1)
+            rows[self.rank].copy_(shard)
+            return _AllWork([dist.broadcast(rows[src], src=self._global(src), group=self.group, async_op=True)
+                             for src in range(self.world_size)])
+        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)
 
     def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter",
                            timeout: float | None = None):
-        """Start averaging ``full`` over ranks, this rank keeping its slice in ``output``."""
+        """Start averaging ``full`` over ranks, this rank keeping its slice in ``output``.
+
+        ``full`` is scratch until the handle's ``wait()`` returns (gloo may
+        write other ranks' slices of it).
+        """
         nbytes = self._count("reduce_scatter", full)
         if self.world_size == 1:
             return self.copier.copy(output, full, "rs", "reduce (local copy)")
+        if self.rooted_collectives:
+            # gloo: one reduce onto each rank's slice runs ~1.6-2x faster than gloo's reduce-scatter
+            # here (benchmarks/RESULTS.md, "Collectives on gloo"); the sum is averaged once it lands.
+            rows = full.view(self.world_size, -1)
+            works = [dist.reduce(rows[dst], dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group,
+                                 async_op=True) for dst in range(self.world_size)]
+            world, own_row = self.world_size, rows[self.rank]
+            return self._work(_AllWork(works, then=lambda: torch.div(own_row, world, out=output)), "rs", nbytes,
+                              what, timeout)
         return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=self.group,
                                                                   async_op=True), "rs", nbytes,
                           what, timeout)
+
+    def fill_slices(self, flat: torch.Tensor, local: torch.Tensor, what: str = "all_gather",
+                    timeout: float | None = None):
+        """Start filling each rank's slice of ``flat`` from that rank's ``local``, in place: rank r's slice
+        is elements ``r * n : min((r + 1) * n, len(flat))`` with ``n = len(local)`` (``local`` may be padded).
+
+        An all-gather straight into a parameter's storage, no gathered copy:
+        one broadcast per rank (see :meth:`all_gather_into`, and
+        :attr:`rooted_collectives` for where that is the cheap way).
+        """
+        slice_numel = local.numel()
+        ranges = [(src * slice_numel, min((src + 1) * slice_numel, flat.numel())) for src in range(self.world_size)]
+        start, stop = ranges[self.rank]
+        if stop > start:
+            flat[start:stop].copy_(local[: stop - start])
+        nbytes = self._count("all_gather", flat)
+        if self.world_size == 1:
+            return _DoneWork()
+        return self._work(_AllWork([dist.broadcast(flat[start:stop], src=self._global(src), group=self.group,
+                                                   async_op=True)
+                                    for src, (start, stop) in enumerate(ranges) if stop > start]),
+                          "gg", nbytes, what, timeout)
 
     def all_reduce_avg(self, tensor: torch.Tensor, what: str = "all_reduce of a gradient (stage 0)",
                        timeout: float | None = None):

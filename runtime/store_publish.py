@@ -8,6 +8,10 @@ import torch
 
 from .records import POOL_WAIT_SECONDS, ParamRecord, finish_oldest_write
 
+# A parameter at least this big is refreshed in place on gloo (one broadcast per rank, ~0.3 ms each
+# here); smaller ones share a bucket's gather and its copy-out (~1 MiB of copying costs that much).
+REFRESH_IN_PLACE_BYTES = 1 << 20
+
 
 class PublishSteps:
     """The publish steps of :class:`~.store.ParamStore` (uses its pinned pool, swap writes and transfers)."""
@@ -51,13 +55,32 @@ class PublishSteps:
         for record in records:
             if self._shard_is_param(record):
                 record.synced_version = record.param._version  # the step's own in-place update
-        units = self._bucketed([r for r in records if not self._shard_is_param(r)])
+        records = [r for r in records if not self._shard_is_param(r)]
+        in_place = [r for r in records if self._refreshed_in_place(r)]
+        works = [r.mesh.shard.fill_slices(r.param.data.view(-1), r.shard, f"all_gather of {r.name} (refresh)",
+                                          r.ledger.collective_timeout) for r in in_place]
+        units = self._bucketed([r for r in records if r not in in_place])
         for unit in units:
             self.gather_start(unit)
+        for work in works:
+            work.wait()
         for unit in units:
             for piece, full in zip(unit.pieces, self.gather_wait(unit)):
                 piece.layout.param.data.copy_(full)
             self.release(unit)
+
+    @staticmethod
+    def _refreshed_in_place(record: ParamRecord) -> bool:
+        """Whether a stage 1-2 parameter is refreshed by filling its own storage from every rank's slice
+        (:meth:`Comm.fill_slices`) rather than gathered in a bucket and copied out of it: where the
+        group's collectives are rooted ones (gloo), for a parameter of at least ``REFRESH_IN_PLACE_BYTES``
+        (below it one collective per parameter costs more than the bucket's copy) laid out as one
+        contiguous slice per rank."""
+        param = record.param
+        return (record.mesh.shard.rooted_collectives and record.partition == "allgather"
+                and record.tile_rows is None and record.param_tier != "nvme" and param.dtype == record.compute_dtype
+                and param.device == record.shard.device and param.is_contiguous()
+                and record.numel * param.element_size() >= REFRESH_IN_PLACE_BYTES)
 
     @staticmethod
     def _shard_is_param(record: ParamRecord) -> bool:

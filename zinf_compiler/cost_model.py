@@ -221,7 +221,7 @@ def _probe_collective(device: torch.device, comm: "Comm") -> float | None:
     world = comm.world_size
     shard = torch.ones((4 << 20) // 4 // world, device=device)
     gathered = torch.empty(shard.numel() * world, device=device)
-    seconds = _timed(lambda: dist.all_gather_into_tensor(gathered, shard, group=comm.group), device, repeats=2)
+    seconds = _timed(lambda: comm.start_all_gather_uncounted(gathered, shard).wait(), device, repeats=2)
     return gathered.numel() * 4 / seconds
 
 
