@@ -8,7 +8,8 @@ paper right before it and chain the gather after them:
     cpu:                          cg_start -> cg_wait -> gather_start(after=cg token)
 
 nc moves the shard from NVMe into a pinned CPU buffer, cg from CPU memory to
-the device.  Each step is a start/wait pair placed back to back here; the
+the device.  On a CPU device the cpu tier needs no step: its shards already
+rest where the gather reads them (as the device tier's do).  Each step is a start/wait pair placed back to back here; the
 schedule pass moves starts earlier.  Gradients need no nodes: the runtime
 copies each reduced gradient shard to the optimizer's tier when its
 reduce-scatter completes (``zinf.reduce_grad_wait``).
@@ -36,6 +37,8 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
         graph = gm.graph
         for gather in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GATHER_START]:
             slots, device = ops.arg(gather, "slots"), ops.arg(gather, "device")
+            if tier == "cpu" and torch.device(device).type == "cpu":
+                continue  # the shards already rest where the gather reads them: nothing to fetch
             # A tile's gather (the tile pass) fetches only that tile's slice of the shard.
             tile = ops.arg(gather, "tile")
             label = gather.name.removeprefix("gg_start_")

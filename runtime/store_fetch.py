@@ -106,7 +106,7 @@ class FetchSteps:
             local, transfer.value = transfer.value, None
             self._add_transient("device", -nbytes_of(local), ledger=self._ledger_of(unit))
             return transfer, local
-        if unit.pieces[0].layout.param_tier == "device":
+        if self._rests_on_device(unit):
             slices = [piece.layout.shard[piece.local_range[0] : piece.local_range[1]] for piece in unit.pieces]
             transfer = self._transfers.move(unit, "gather_start", State.NEW, State.GATHERING)
             return transfer, slices[0] if len(slices) == 1 else torch.cat(slices)
@@ -118,12 +118,19 @@ class FetchSteps:
         self.cg_wait(unit)
         return self._start_gather_from_local_input(unit)
 
+    @staticmethod
+    def _rests_on_device(unit: Unit) -> bool:
+        """Whether the unit's shards rest where its gather runs: the device tier, or the cpu tier on a CPU
+        device (the offload pass fetches nothing for those, see passes/offload.py)."""
+        layout = unit.pieces[0].layout
+        return layout.param_tier == "device" or (layout.param_tier == "cpu" and layout.shard.device == unit.device)
+
     def gather_start(self, unit: Unit) -> None:
         """Start assembling the unit's parameters (all-gather of slices, or broadcast from the owner)."""
         transfer, local = self._start_gather_from_local_input(unit)
         ledger = self._ledger_of(unit)
         self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=ledger)
-        if unit.world_size == 1 and unit.partition == "allgather" and unit.pieces[0].layout.param_tier != "device":
+        if unit.world_size == 1 and unit.partition == "allgather" and not self._rests_on_device(unit):
             # The cg step's fresh device copy already is the whole unit: no collective, no copy.
             transfer.work, transfer.value = DONE, local
             return

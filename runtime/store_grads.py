@@ -121,6 +121,8 @@ class GradientSteps:
             if (private and (start, stop) == (0, record.local_numel) and reduced.dtype == torch.float32
                     and reduced.device == grad_device):
                 record.grad_shard = reduced  # already a copy of our own, in fp32 where the optimizer steps
+            elif (start, stop) == (0, record.local_numel):  # the whole shard: one copy, no zeroing first
+                record.grad_shard = reduced.to(device=grad_device, dtype=torch.float32, copy=True)
             else:
                 record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
                 record.grad_shard[start:stop].copy_(reduced)
