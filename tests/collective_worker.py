@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compiler as zinf
-from multirank import finish_rank
+from multirank import finish_rank, wait_for_rank
 from zinf_compiler.runtime.comm import ZinfCollectiveTimeout
 
 
@@ -47,7 +47,7 @@ def main() -> None:
             result["error"], result["message"] = type(err).__name__, str(err)
         result["seconds"] = time.monotonic() - started
     else:
-        time.sleep(4 * timeouts[0])  # alive but never joining: the hang the timeout must end
+        wait_for_rank(0, 4 * timeouts[0])  # alive but never joining: the hang the timeout must end
     with open(os.environ["ZINFTEST_OUT"], "w") as out:
         json.dump(result, out)
     # After the timeout the process must still be able to exit normally (issue 25, point 6): tear down

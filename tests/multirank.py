@@ -88,6 +88,17 @@ def start_rank() -> tuple[dict, int, int]:
     return args, world, dist.get_rank() if world > 1 else 0
 
 
+def wait_for_rank(rank: int, limit: float) -> None:
+    """In a worker: stay alive until rank ``rank`` has written its result (at most ``limit`` seconds),
+    e.g. while it waits out a collective this rank never joins."""
+    import time
+
+    result = os.path.join(os.path.dirname(os.environ["ZINFTEST_OUT"]), f"rank{rank}.json")
+    deadline = time.monotonic() + limit
+    while not os.path.exists(result) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def finish_rank() -> None:
     """In a worker, last: collect garbage, then take the process group down.
 

@@ -41,20 +41,21 @@ def test_tiling_cuts_working_memory_by_the_factor(untiled, factor):
     tiled = measure(factor)
     assert all(rows is None for rows in untiled["tile_rows"].values())
     assert len(tiled["tile_rows"]["0.weight"]) == factor and len(tiled["tile_rows"]["2.weight"]) == factor
-    # Untiled, the working set holds a whole weight and the next one being copied in.
-    assert untiled["peak_transient_device"] >= 2 * untiled["weight_bytes"]
-    # Tiled, it holds three tiles: one in use, the next gathered (prefetch_gg=1)
-    # and the one after being copied in (prefetch_cg=2); nothing else of note.
+    # Untiled, the working set holds a whole weight.  (On this CPU device the cpu tier's shards
+    # are gathered where they rest: no cg copy is in flight beside it.)
+    assert untiled["peak_transient_device"] >= untiled["weight_bytes"]
+    # Tiled, it holds two tiles: one in use and the next gathered (prefetch_gg=1);
+    # nothing else of note.
     tile_bytes = tiled["weight_bytes"] // factor
-    assert 3 * tile_bytes <= tiled["peak_transient_device"] <= 3 * tile_bytes + (64 << 10), (untiled, tiled)
+    assert 2 * tile_bytes <= tiled["peak_transient_device"] <= 2 * tile_bytes + (64 << 10), (untiled, tiled)
     for run in (untiled, tiled):
         # The OS agrees: the resident set grows by the accounted bytes (the accounting
         # here is all working memory: gradient shards and optimizer state exist already).
         assert run["accounted_growth"] == run["peak_transient_device"]
         assert abs(run["rss_growth"] - run["accounted_growth"]) <= 0.1 * run["accounted_growth"] + NOISE_BYTES, run
-    # The OS sees the same working sets: two weights untiled, three tiles tiled (within the noise).
-    assert untiled["rss_growth"] >= 0.9 * 2 * untiled["weight_bytes"], untiled
-    assert tiled["rss_growth"] <= 1.1 * 3 * tile_bytes + NOISE_BYTES, tiled
+    # The OS sees the same working sets: a weight untiled, two tiles tiled (within the noise).
+    assert untiled["rss_growth"] >= 0.9 * untiled["weight_bytes"], untiled
+    assert tiled["rss_growth"] <= 1.1 * 2 * tile_bytes + NOISE_BYTES, tiled
 
 
 def test_tiles_on_nvme_are_read_alone(tmp_path):
