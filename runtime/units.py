@@ -276,7 +276,12 @@ class Piece:
         return flat.view(self.shape)
 
     def scatter(self, flat: torch.Tensor, columns: torch.Tensor) -> None:
-        """Write the piece's flat value (a gradient) into its zeroed columns of a reduce-scatter input."""
+        """Write the piece's flat value (a gradient) into its columns of a reduce-scatter input.
+
+        Columns that hold no element (padding) must be zero: they are, where
+        the piece has one segment (zeroed here); otherwise the caller zeroes
+        the input first (see :attr:`pads_itself`).
+        """
         for s in self.segments:
             block = columns[:, s.column : s.column + s.width]
             full_rows, rest = divmod(s.numel, s.width)
@@ -284,6 +289,14 @@ class Piece:
             block[:full_rows].copy_(source[: full_rows * s.width].view(full_rows, s.width))
             if rest:
                 block[full_rows, :rest].copy_(source[full_rows * s.width :])
+            if self.pads_itself and full_rows < block.shape[0]:
+                block[full_rows, rest:].zero_()
+                block[full_rows + 1 :].zero_()
+
+    @property
+    def pads_itself(self) -> bool:
+        """Whether :meth:`scatter` zeroes the piece's padding (one segment covers all its columns)."""
+        return len(self.segments) == 1
 
     @functools.cached_property
     def reads(self) -> tuple[tuple[str, int, int], ...]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from unittest import mock
+
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -117,9 +119,23 @@ def _units(draw):
     return world, kind, [shape], tile_rows, tile, partition
 
 
+_REAL_EMPTY = torch.empty
+
+
+def _garbage_empty(*args, **kwargs):
+    """torch.empty that never happens to hand out zeros: NaN where a float tensor's contents are undefined."""
+    tensor = _REAL_EMPTY(*args, **kwargs)
+    return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(_units(), st.integers(0, 2**16))
 def test_every_rank_assembles_the_values_and_reduces_the_average_into_what_it_owns(drawn, seed):
+    with mock.patch.object(torch, "empty", _garbage_empty):
+        _check_assembles_and_reduces(drawn, seed)
+
+
+def _check_assembles_and_reduces(drawn, seed):
     world, kind, shapes, tile_rows, tile, partition = drawn
     generator = torch.Generator().manual_seed(seed)
     values = [torch.randn(shape, generator=generator) for shape in shapes]
@@ -172,14 +188,18 @@ def test_every_rank_assembles_the_values_and_reduces_the_average_into_what_it_ow
             row = out.reshape(-1)[unit.offsets[index] : unit.offsets[index] + piece.width]
             # The piece's columns are its window of the shard: local positions [base, base + width).
             base = piece.local_range[0]
+            padding = torch.ones(piece.width, dtype=torch.bool)  # positions holding no element
             for first, stop, local_start in piece.layout.owned_ranges():
                 low, high = max(local_start, base), min(local_start + stop - first, base + piece.width)
                 if low >= high:
                     continue  # another tile's slice
                 elements = slice(first + low - local_start, first + high - local_start)
                 torch.testing.assert_close(row[low - base : high - base], average[elements])
+                padding[low - base : high - base] = False
                 assert not covered[index][elements].any(), "two ranks own one element"
                 covered[index][elements] = True
+            # Padding averages to zero (a gradient norm over the shard counts it).
+            assert torch.equal(row[padding], torch.zeros_like(row[padding])), row
     for index, mask in enumerate(covered):
         if tile is None:
             assert mask.all(), "an element no rank reduced"
