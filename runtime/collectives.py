@@ -15,14 +15,23 @@ from .records import DONE
 from .units import Segment, Unit
 
 
-def start_gather(unit: Unit, local: torch.Tensor, group: Comm, timeout: float | None):
-    """Start assembling ``unit``'s gathered matrix on ``group`` from this rank's ``local`` input.
+def start_gather(unit: Unit, local_parts: list[torch.Tensor], group: Comm, timeout: float | None):
+    """Start assembling ``unit``'s gathered matrix on ``group`` from this rank's local input, given in
+    ``local_parts`` (its pieces' slices side by side, in one tensor or several).
 
     All-gather partitions gather every rank's row; broadcast partitions send
     the owner's whole matrix.  Returns ``(work, matrix)``: the matrix is valid
     once ``work.wait()`` returns.
     """
     matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
+    if unit.partition == "allgather" and group.rooted_collectives:
+        # The local input joined straight into this rank's own row (one copy), which the rooted
+        # all-gather then sends as it is.
+        local = matrix.view(unit.rows, unit.columns)[group.rank]
+        torch.cat(local_parts, out=local)
+        work = group.all_gather_into(matrix, local, f"all_gather of {unit.name}", timeout=timeout)
+        return work, matrix
+    local = local_parts[0] if len(local_parts) == 1 else torch.cat(local_parts)
     if unit.partition == "allgather":
         work = group.all_gather_into(matrix, local, f"all_gather of {unit.name}", timeout=timeout)
     else:

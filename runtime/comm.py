@@ -199,6 +199,8 @@ class Comm:
         """Start gathering every rank's equal-size ``shard`` into ``output``; returns a handle."""
         nbytes = self._count("all_gather", output)
         if self.world_size == 1:
+            if output.data_ptr() == shard.data_ptr():
+                return _DoneWork()  # already in place
             return self.copier.copy(output, shard, "gg", "gather (local copy)")
         return self._work(self.start_all_gather_uncounted(output, shard), "gg", nbytes, what, timeout)
 
@@ -209,7 +211,8 @@ class Comm:
             # gloo: one broadcast from each rank into its row runs ~2-4x faster than gloo's
             # all-gather here (benchmarks/RESULTS.md, "Collectives on gloo"); same bytes received.
             rows = output.view(self.world_size, -1)
-            rows[self.rank].copy_(shard)
+            if rows[self.rank].data_ptr() != shard.data_ptr():  # (not already placed there by the caller)
+                rows[self.rank].copy_(shard)
             return _AllWork([dist.broadcast(rows[src], src=self._global(src), group=self.group, async_op=True)
                              for src in range(self.world_size)])
         return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)

@@ -98,18 +98,18 @@ class FetchSteps:
         works, staging, transfer.pending, transfer.staging = transfer.pending, transfer.staging, [], None
         finish_copies(works, staging)
 
-    def _start_gather_from_local_input(self, unit: Unit) -> tuple[Transfer, torch.Tensor]:
-        """The unit's transfer, now gathering, and its local input on the device: staged by cg, cut from
-        shards resting there, or fetched now."""
+    def _start_gather_from_local_input(self, unit: Unit) -> tuple[Transfer, list[torch.Tensor]]:
+        """The unit's transfer, now gathering, and its local input on the device (in one or several parts,
+        side by side): staged by cg, cut from shards resting there, or fetched now."""
         if self._transfers.has(unit, State.STAGED):
             transfer = self._transfers.move(unit, "gather_start", State.STAGED, State.GATHERING)
             local, transfer.value = transfer.value, None
             self._add_transient("device", -nbytes_of(local), ledger=self._ledger_of(unit))
-            return transfer, local
+            return transfer, [local]
         if self._rests_on_device(unit):
             slices = [piece.layout.shard[piece.local_range[0] : piece.local_range[1]] for piece in unit.pieces]
             transfer = self._transfers.move(unit, "gather_start", State.NEW, State.GATHERING)
-            return transfer, slices[0] if len(slices) == 1 else torch.cat(slices)
+            return transfer, slices
         # No nc/cg ran for this use (outside a graph, or the offload pass is off): fetch synchronously.
         if unit.pieces[0].layout.param_tier == "nvme":
             self.nc_start(unit)
@@ -132,7 +132,7 @@ class FetchSteps:
         self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=ledger)
         if unit.world_size == 1 and unit.partition == "allgather" and not self._rests_on_device(unit):
             # The cg step's fresh device copy already is the whole unit: no collective, no copy.
-            transfer.work, transfer.value = DONE, local
+            transfer.work, transfer.value = DONE, local[0]
             return
         transfer.work, transfer.value = start_gather(unit, local, self._shard_comm(unit), ledger.collective_timeout)
 

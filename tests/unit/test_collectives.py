@@ -29,8 +29,8 @@ class _SimulatedWorld:
         self.size = size
         self.calls: list[list[tuple]] = [[] for _ in range(size)]
 
-    def group(self, rank: int) -> "_RankGroup":
-        return _RankGroup(self, rank)
+    def group(self, rank: int, rooted: bool = False) -> "_RankGroup":
+        return _RankGroup(self, rank, rooted)
 
     def complete(self) -> None:
         for calls in zip(*self.calls, strict=True):
@@ -60,6 +60,7 @@ class _SimulatedWorld:
 class _RankGroup:
     world: _SimulatedWorld
     rank: int
+    rooted_collectives: bool = False  # as on gloo: start_gather places the local input in the rank's own row
 
     def all_gather_into(self, output, local, what="", timeout=None):
         self.world.calls[self.rank].append(("all_gather", output, local.clone()))
@@ -129,13 +130,13 @@ def _garbage_empty(*args, **kwargs):
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(_units(), st.integers(0, 2**16))
-def test_every_rank_assembles_the_values_and_reduces_the_average_into_what_it_owns(drawn, seed):
+@given(_units(), st.integers(0, 2**16), st.booleans())
+def test_every_rank_assembles_the_values_and_reduces_the_average_into_what_it_owns(drawn, seed, rooted):
     with mock.patch.object(torch, "empty", _garbage_empty):
-        _check_assembles_and_reduces(drawn, seed)
+        _check_assembles_and_reduces(drawn, seed, rooted)
 
 
-def _check_assembles_and_reduces(drawn, seed):
+def _check_assembles_and_reduces(drawn, seed, rooted):
     world, kind, shapes, tile_rows, tile, partition = drawn
     generator = torch.Generator().manual_seed(seed)
     values = [torch.randn(shape, generator=generator) for shape in shapes]
@@ -153,10 +154,10 @@ def _check_assembles_and_reduces(drawn, seed):
     # Gather: each rank's local input is its pieces' slices of its shard, side by side.
     started = []
     for rank, unit in enumerate(units):
-        local = torch.cat([_shard(piece.layout, values[index])[piece.local_range[0] : piece.local_range[1]]
-                           for index, piece in enumerate(unit.pieces)])
-        assert local.numel() == unit.local_numel
-        started.append(start_gather(unit, local, simulated.group(rank), None))
+        local = [_shard(piece.layout, values[index])[piece.local_range[0] : piece.local_range[1]]
+                 for index, piece in enumerate(unit.pieces)]
+        assert sum(part.numel() for part in local) == unit.local_numel
+        started.append(start_gather(unit, local, simulated.group(rank, rooted), None))
     simulated.complete()
     for unit, (work, matrix) in zip(units, started):
         work.wait()
