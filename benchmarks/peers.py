@@ -18,11 +18,14 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
 * DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on
   ``cpu`` and on ``nvme`` (its optimizer: DeepSpeedCPUAdam in AdamW mode);
 * zinf at stage 3 with ``offload_param``/``offload_optimizer`` = none, cpu,
-  nvme, ``zinf.optim.AdamW``, default options (Inductor lowering); and nvme
-  with ``nvme_grad_ram_bytes`` covering every gradient (DeepSpeed keeps its
-  gradients in RAM too); ``zinf_nvme_early`` and ``zinf_nvme_ram_early`` are those
-  two with ``overlap_optimizer=True`` (the optimizer stepped during
-  backward; "auto" leaves it after backward on a CPU device).
+  nvme, ``zinf.optim.AdamW``, default options (Inductor lowering; at nvme,
+  ``nvme_grad_ram_bytes="auto"`` keeps gradients in RAM within an eighth of
+  the memory available, as DeepSpeed keeps them in RAM); nvme with
+  ``nvme_grad_ram_bytes`` covering every gradient (``zinf_nvme_ram``) and with
+  none (``zinf_nvme_disk``, every gradient in swap files);
+  ``zinf_nvme_early`` and ``zinf_nvme_ram_early`` are the first two with
+  ``overlap_optimizer=True`` (the optimizer stepped during backward; "auto"
+  leaves it after backward on a CPU device).
 
 With nvme configurations, the disk's read and write rates are probed once at
 the start (zinf's swap engine, 512 MiB each way), and a table puts each zinf
@@ -114,7 +117,12 @@ SYSTEMS = {
     # What a user whose model fits picks: parameters replicated, gradients and optimizer state sharded.
     "zinf_s2": ("zinf stage 2, no offload", "zinf", {"device": "none", "placement": "none", "stage": 2}),
     "zinf_cpu": ("zinf stage 3, offload cpu", "zinf", {"device": "cpu", "placement": "cpu"}),
+    # Default options: nvme_grad_ram_bytes="auto" keeps gradients in RAM within an eighth of the memory
+    # available (all of them for the default model here; at --find-max sizes, part of them).
     "zinf_nvme": ("zinf stage 3, offload nvme", "zinf", {"device": "nvme", "placement": "nvme"}),
+    # Every gradient in swap files (nvme_grad_ram_bytes=0, the default before "auto").
+    "zinf_nvme_disk": ("zinf stage 3, offload nvme, gradients on disk", "zinf",
+                       {"device": "nvme", "placement": "nvme", "grads_in_ram": False}),
     # Like DeepSpeed, which keeps gradients in RAM: nvme_grad_ram_bytes covering every gradient.
     "zinf_nvme_ram": ("zinf stage 3, offload nvme, gradients in RAM", "zinf",
                       {"device": "nvme", "placement": "nvme", "grads_in_ram": True}),
@@ -389,7 +397,7 @@ class Worker:
         if kind == "deepspeed":
             return self.setup_deepspeed(settings["device"], big)
         if kind == "zinf":
-            return self.setup_zinf(settings["device"], big, settings.get("grads_in_ram", False),
+            return self.setup_zinf(settings["device"], big, settings.get("grads_in_ram"),
                                    settings.get("stage", 3), settings.get("overlap_optimizer", "auto"))
         raise ValueError(kind)
 
@@ -459,7 +467,7 @@ class Worker:
 
         return step
 
-    def setup_zinf(self, device: str, big: bool, grads_in_ram: bool = False, stage: int = 3,
+    def setup_zinf(self, device: str, big: bool, grads_in_ram: bool | None = None, stage: int = 3,
                    overlap_optimizer: bool | str = "auto"):
         import torch
         import zinf_compiler as zinf
@@ -469,8 +477,8 @@ class Worker:
         if device == "nvme":
             options["nvme_path"] = self.spec["swap_dir"]
             options["nvme_copies"] = self.spec["nvme_copies"]
-            if grads_in_ram:
-                options["nvme_grad_ram_bytes"] = 1 << 40
+            if grads_in_ram is not None:  # None: the default ("auto")
+                options["nvme_grad_ram_bytes"] = 1 << 40 if grads_in_ram else 0
             options["overlap_optimizer"] = overlap_optimizer
         if self.spec.get("trace_dir"):
             options.update(dump_dir=self.spec["trace_dir"], trace_step=self.spec["trace_step"])

@@ -43,3 +43,15 @@ def new_peak_window() -> int:
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
     return rss_figures()["VmRSS"]
+
+
+def available_bytes() -> int | None:
+    """The memory the kernel says a new process could take without swapping (``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import queue
 import threading
 import weakref
@@ -26,6 +27,7 @@ import torch
 
 from .aio import ALIGNMENT, AioEngine
 from .comm import Comm, MeshComm
+from .host_memory import available_bytes
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
 from .resting import RestingParameter, guard_aliases
@@ -40,6 +42,12 @@ from .transfers import TransferTable
 from .units import Unit
 
 __all__ = ["DTYPES", "ParamRecord", "ParamStore", "ZinfStoreError"]
+
+
+# nvme_grad_ram_bytes="auto": gradients in RAM up to this fraction (1/N) of the memory available
+# at the first compile, shared by the node's ranks.  An eighth leaves room for the activations,
+# the pinned pool and the optimizer's streaming buffers of a model much larger than RAM.
+AUTO_GRAD_RAM_SHARE = 8
 
 
 class _ParamRef(weakref.ref):
@@ -82,6 +90,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         self._lock = threading.RLock()
         self._owned_bytes_by_rank: dict[int, int] = {}
         self._grad_ram_reserved = 0  # bytes of nvme-tier gradients adopted to stay in RAM (nvme_grad_ram_bytes)
+        self._grad_ram_auto: int | None = None  # nvme_grad_ram_bytes="auto": this process's budget, fixed once
         # NVMe swap and the pinned pool: made on first need (see configure_offload).
         self._engines: dict[str, AioEngine] = {}
         self.pinned: PinnedPool | None = None
@@ -220,7 +229,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
               param_tier: str = "device", opt_tier: str = "device",
               tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
               read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int = 0,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int | str = 0,
               mesh: MeshComm | None = None, step_in_backward: bool | str = False) -> ParamRecord:
         """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
 
@@ -237,8 +246,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         :meth:`ParamRecord.owned_ranges`) in ``record.holding_dtype``; the
         parameter's memory is never read, and nothing is broadcast.
         ``grad_ram_bytes`` (nvme optimizer tier): the process's budget of
-        gradient bytes kept in CPU memory instead of swap files; parameters
-        take it in adoption order while it lasts.  ``mesh``: the ranks to shard
+        gradient bytes kept in CPU memory instead of swap files, or "auto"
+        (:meth:`_auto_grad_ram_bytes`); parameters take it in adoption order
+        while it lasts.  ``mesh``: the ranks to shard
         over (default: every rank of the default group; see runtime/comm.py).
         ``step_in_backward``: the option overlap_optimizer, True, False or
         "auto" (it applies where :attr:`ParamRecord.step_in_backward` says).
@@ -309,6 +319,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                                        and all(start * 4 % ALIGNMENT == 0
                                                for start, _ in sub_groups(record.local_numel)))
             grad_bytes = record.local_numel * 4
+            if opt_tier == "nvme" and grad_ram_bytes == "auto":
+                grad_ram_bytes = self._auto_grad_ram_bytes()
             if opt_tier == "nvme" and not exact and self._grad_ram_reserved + grad_bytes <= grad_ram_bytes:
                 record.grad_in_ram = True
                 self._grad_ram_reserved += grad_bytes
@@ -369,6 +381,15 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         device = record.device if record.opt_tier == "device" else torch.device("cpu")
         record.master = local_fp32.to(device=device, copy=True)
         self._add_resting(tier_memory(record.opt_tier), nbytes_of(record.master), ledger=record.ledger)
+
+    def _auto_grad_ram_bytes(self) -> int:
+        """``nvme_grad_ram_bytes="auto"``: an eighth of the memory available when first asked, shared by the
+        ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun); fixed from then on, so that what this
+        process allocates afterwards does not shrink it.  0 where the kernel does not say."""
+        if self._grad_ram_auto is None:
+            local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+            self._grad_ram_auto = (available_bytes() or 0) // (AUTO_GRAD_RAM_SHARE * local_ranks)
+        return self._grad_ram_auto
 
     def release_full_storage(self, records: Iterable[ParamRecord]) -> None:
         """Stage 3: free the full parameters (once tracing no longer reads them).

@@ -42,7 +42,7 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=8192, block_size=32, n_layer=4, n_head=8, n_embd=512)
     options = {"stage": 3, "offload_param": tier, "offload_optimizer": tier, "lower": "eager"}
     if tier == "nvme":
-        options.update(nvme_path=nvme_path, nvme_copies=1)
+        options.update(nvme_path=nvme_path, nvme_copies=1, nvme_grad_ram_bytes=0)  # gradients on disk too
     with torch.device("meta"):
         model = GPT(cfg)
     result = {}

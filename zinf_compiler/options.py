@@ -225,10 +225,11 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("aio_block_size", 1024**2, parse_bytes, "NVMe request size"),
     OptionSpec("aio_queue_depth", 8, _int_at_least(1), "NVMe requests in flight"),
     OptionSpec("aio_threads", 4, _int_at_least(1), "NVMe worker threads"),
-    OptionSpec("nvme_grad_ram_bytes", 0, parse_bytes,
+    OptionSpec("nvme_grad_ram_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
                "with offload_optimizer='nvme': reduced gradients kept in CPU memory, up to this many bytes per "
                "process (4 per parameter), instead of swap files; saves a 4-byte write and read per parameter "
-               "each step"),
+               "each step (auto: an eighth of the memory available at the first such compile, shared by the "
+               "node's ranks; 0: every gradient in swap files)"),
     OptionSpec("overlap_optimizer", "auto", _or_keyword("auto", _boolean, "true or false"),
                "with the parameters and optimizer state on NVMe at stage 3 (and nvme_copies=2): step each "
                "parameter's optimizer state during backward, as its gradient lands, and commit it at opt.step() "
@@ -295,7 +296,7 @@ class ZinfOptions:
     aio_block_size: int
     aio_queue_depth: int
     aio_threads: int
-    nvme_grad_ram_bytes: int
+    nvme_grad_ram_bytes: int | str
     overlap_optimizer: bool | str
     nvme_copies: int
     pinned_bytes: int | str

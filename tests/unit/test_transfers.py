@@ -261,3 +261,23 @@ def test_the_graph_ops_reach_the_store_of_the_call_they_run_in(store):
             zinf.nc_start([1], cpu)
     assert store.pinned.in_use_bytes == 0 and store.transient["device"] == 0
     assert (RUNTIME.store.pinned.in_use_bytes if RUNTIME.store.pinned is not None else 0) == process_pinned
+
+
+@pytest.mark.parametrize("local_ranks", ["1", "2"])
+def test_auto_gradient_ram_is_an_eighth_of_the_memory_available_shared_by_the_nodes_ranks(
+        store, monkeypatch, local_ranks):
+    """nvme_grad_ram_bytes="auto": the budget is fixed at the first adoption that asks (later allocations
+    do not shrink it); parameters take it in adoption order, the rest keep their gradients on disk."""
+    import zinf_compiler.runtime.store as store_module
+
+    grad_bytes = 6 * 5 * 4  # one _adopt parameter's fp32 gradient
+    available = iter([8 * 2 * grad_bytes * int(local_ranks), 0])  # the second reading must not be taken
+    monkeypatch.setattr(store_module, "available_bytes", lambda: next(available))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    records = []
+    for index in range(3):
+        param = torch.nn.Parameter(torch.randn(6, 5))
+        _ALIVE.append(param)
+        records.append(store.adopt(param, f"p{index}", stage=3, partition="allgather", param_dtype="fp32",
+                                   param_tier="nvme", opt_tier="nvme", grad_ram_bytes="auto"))
+    assert [record.grad_in_ram for record in records] == [True, True, False]
