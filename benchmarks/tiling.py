@@ -169,14 +169,9 @@ def print_table(untiled_trials: list[dict], tiled_trials: list[dict]) -> None:
 
 def available_ram() -> int | None:
     """MemAvailable from /proc/meminfo in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from zinf_compiler.runtime.host_memory import available_bytes
+
+    return available_bytes()
 
 
 def parse_bytes(text: str) -> int:

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .runtime.host_memory import available_bytes
+
 if TYPE_CHECKING:
     from .runtime.comm import Comm
 
@@ -264,14 +266,7 @@ def _free_device_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return int(free_bytes)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return available_bytes()
 
 
 # --- per-node estimates ---------------------------------------------------------------
