@@ -25,13 +25,10 @@ def start_gather(unit: Unit, local_parts: list[torch.Tensor], group: Comm, timeo
     """
     matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
     if unit.partition == "allgather" and group.rooted_collectives:
-        # The local input joined straight into this rank's own row (one copy), which the rooted
-        # all-gather then sends as it is.
-        local = matrix.view(unit.rows, unit.columns)[group.rank]
-        torch.cat(local_parts, out=local)
-        work = group.all_gather_into(matrix, local, f"all_gather of {unit.name}", timeout=timeout)
-        return work, matrix
-    local = local_parts[0] if len(local_parts) == 1 else torch.cat(local_parts)
+        # Joined straight into this rank's own row (one copy), which the rooted all-gather sends as it is.
+        local = torch.cat(local_parts, out=matrix.view(unit.rows, unit.columns)[group.rank])
+    else:
+        local = local_parts[0] if len(local_parts) == 1 else torch.cat(local_parts)
     if unit.partition == "allgather":
         work = group.all_gather_into(matrix, local, f"all_gather of {unit.name}", timeout=timeout)
     else:

@@ -210,12 +210,19 @@ class Comm:
         if self.rooted_collectives:
             # gloo: one broadcast from each rank into its row runs ~2-4x faster than gloo's
             # all-gather here (benchmarks/RESULTS.md, "Collectives on gloo"); same bytes received.
-            rows = output.view(self.world_size, -1)
-            if rows[self.rank].data_ptr() != shard.data_ptr():  # (not already placed there by the caller)
-                rows[self.rank].copy_(shard)
-            return _AllWork([dist.broadcast(rows[src], src=self._global(src), group=self.group, async_op=True)
-                             for src in range(self.world_size)])
+            return self._broadcast_slices(output, shard)
         return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)
+
+    def _broadcast_slices(self, flat: torch.Tensor, local: torch.Tensor) -> "_AllWork":
+        """Rank r's slice of ``flat`` (elements ``r * n : min((r + 1) * n, len(flat))``, ``n = len(local)``)
+        broadcast from rank r, this rank's own copied in from ``local`` first (unless already there)."""
+        slice_numel = local.numel()
+        ranges = [(src * slice_numel, min((src + 1) * slice_numel, flat.numel())) for src in range(self.world_size)]
+        start, stop = ranges[self.rank]
+        if stop > start and flat[start:stop].data_ptr() != local.data_ptr():
+            flat[start:stop].copy_(local[: stop - start])
+        return _AllWork([dist.broadcast(flat[start:stop], src=self._global(src), group=self.group, async_op=True)
+                         for src, (start, stop) in enumerate(ranges) if stop > start])
 
     def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, what: str = "reduce_scatter",
                            timeout: float | None = None):
@@ -249,18 +256,11 @@ class Comm:
         one broadcast per rank (see :meth:`all_gather_into`, and
         :attr:`rooted_collectives` for where that is the cheap way).
         """
-        slice_numel = local.numel()
-        ranges = [(src * slice_numel, min((src + 1) * slice_numel, flat.numel())) for src in range(self.world_size)]
-        start, stop = ranges[self.rank]
-        if stop > start:
-            flat[start:stop].copy_(local[: stop - start])
         nbytes = self._count("all_gather", flat)
         if self.world_size == 1:
+            flat.copy_(local[: flat.numel()])
             return _DoneWork()
-        return self._work(_AllWork([dist.broadcast(flat[start:stop], src=self._global(src), group=self.group,
-                                                   async_op=True)
-                                    for src, (start, stop) in enumerate(ranges) if stop > start]),
-                          "gg", nbytes, what, timeout)
+        return self._work(self._broadcast_slices(flat, local), "gg", nbytes, what, timeout)
 
     def all_reduce_avg(self, tensor: torch.Tensor, what: str = "all_reduce of a gradient (stage 0)",
                        timeout: float | None = None):

@@ -55,11 +55,13 @@ class PublishSteps:
         for record in records:
             if self._shard_is_param(record):
                 record.synced_version = record.param._version  # the step's own in-place update
-        records = [r for r in records if not self._shard_is_param(r)]
-        in_place = [r for r in records if self._refreshed_in_place(r)]
+        in_place, bucketed = [], []
+        for record in records:
+            if not self._shard_is_param(record):
+                (in_place if self._refreshed_in_place(record) else bucketed).append(record)
         works = [r.mesh.shard.fill_slices(r.param.data.view(-1), r.shard, f"all_gather of {r.name} (refresh)",
                                           r.ledger.collective_timeout) for r in in_place]
-        units = self._bucketed([r for r in records if r not in in_place])
+        units = self._bucketed(bucketed)
         for unit in units:
             self.gather_start(unit)
         for work in works:
