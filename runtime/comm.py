@@ -201,7 +201,7 @@ class Comm:
         if self.world_size == 1:
             if output.data_ptr() == shard.data_ptr():
                 return _DoneWork()  # already in place
-            return self.copier.copy(output, shard, "gg", "gather (local copy)")
+            return self.copier.copy(output, shard, "gg", "gather (local copy)", busy_cores_inline=True)
         return self._work(self.start_all_gather_uncounted(output, shard), "gg", nbytes, what, timeout)
 
     def start_all_gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor):

@@ -6,7 +6,14 @@ the caller holds them) until the work is waited on.
 
 * CPU: one worker thread runs the copies in submission order (PyTorch
   releases the GIL inside ``copy_``), so a copy issued ahead of its use
-  overlaps the main thread's compute.
+  overlaps the main thread's compute.  A copy with no I/O around it
+  (``busy_cores_inline``: world size 1's gather of shards resting in memory)
+  runs at once on the caller's thread instead when the compute already keeps
+  every core busy (torch's threads times the node's ranks cover the cores):
+  there a worker only takes a core from the compute and adds a hand-off to
+  each wait (a GPT step at world size 1 on 2 cores: ~10% faster,
+  benchmarks/RESULTS.md, session 17).  Copies next to NVMe reads keep the
+  worker, which fills the main thread's waits on the disk.
 * CUDA: the copy runs on one side stream per device, after that stream has
   waited for the current stream (``target`` was allocated there, so its
   memory is free to write only from that point).  ``wait()`` makes the
@@ -19,6 +26,7 @@ the caller holds them) until the work is waited on.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 
 import torch
@@ -83,8 +91,23 @@ class CopyEngine:
                 self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-copy")
             return self._executor
 
-    def copy(self, target: torch.Tensor, source: torch.Tensor, track: str, name: str) -> CopyWork:
-        """Start ``target.copy_(source)`` off the caller's thread or stream; ``track``/``name`` label the trace."""
+    @staticmethod
+    def cores_busy() -> bool:
+        """Whether the compute's threads occupy every core this process may run on: torch's intra-op
+        threads, times the ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun)."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        return torch.get_num_threads() * ranks >= cores
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor, track: str, name: str,
+             busy_cores_inline: bool = False) -> CopyWork:
+        """Start ``target.copy_(source)`` off the caller's thread or stream; ``track``/``name`` label the trace.
+
+        ``busy_cores_inline``: on the CPU, copy at once on this thread if the compute keeps every core busy.
+        """
         nbytes = target.numel() * target.element_size()
         submitted = now()
         if target.is_cuda or source.is_cuda:
@@ -100,6 +123,12 @@ class CopyEngine:
             # Host-side interval (submission to now): a GPU timeline is in the profiler, not here.
             self.tracer.interval(track, name, submitted, now(), nbytes)
             return CopyWork(self.tracer, event=event, tensors=(target, source), device=device)
+
+        if busy_cores_inline and self.cores_busy():
+            started = now()
+            target.copy_(source)
+            self.tracer.interval(track, name, started, now(), nbytes)
+            return CopyWork(self.tracer)
 
         # The worker thread has its own grad and inference modes: copy under the
         # caller's inference mode, where ``target`` may be an inference tensor.

@@ -34,6 +34,21 @@ from zinf_compiler.runtime.process import RUNTIME
 PUBLISH_CHUNK_BYTES = 32 << 20
 
 
+def _host_memory_bounded(records) -> bool:
+    """Whether the step's end should give freed host memory back to the OS (``malloc_trim``).
+
+    Yes where host memory holds less than the model (a tier on NVMe) or is a
+    staging area beside an accelerator's (cpu tiers off a CPU device).  Not
+    where the compute device is the CPU and nothing rests on NVMe: the pages
+    freed by a step are the next step's gathers and gradients, and trimming
+    them costs a page fault per page again every step (~80 ms of a 0.5 s GPT
+    step, benchmarks/RESULTS.md, session 17) for a peak that stays the same.
+    """
+    return any(r.param_tier == "nvme" or r.opt_tier == "nvme"
+               or (r.device.type != "cpu" and (r.param_tier != "device" or r.opt_tier != "device"))
+               for r in records)
+
+
 @dataclasses.dataclass(eq=False)
 class Slot:
     """One parameter as the optimizer steps it: the user's parameter, the store's record and the tensor stepped."""
@@ -327,8 +342,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._clipped = False
         RUNTIME.store.refresh_full_params(self._records())
         self._account_state()
-        if any(r.param_tier != "device" or r.opt_tier != "device" for r in self._records()):
-            trim()  # offloading is about bounded host memory: hand this step's freed staging back
+        if _host_memory_bounded(self._records()):
+            trim()  # hand this step's freed staging back: host memory is what offloading bounds
         RUNTIME.tracer.step_done()
         return loss
 
