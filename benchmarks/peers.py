@@ -24,8 +24,9 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
   ``nvme_grad_ram_bytes`` covering every gradient (``zinf_nvme_ram``) and with
   none (``zinf_nvme_disk``, every gradient in swap files);
   ``zinf_nvme_early`` and ``zinf_nvme_ram_early`` are the first two with
-  ``overlap_optimizer=True`` (the optimizer stepped during backward; "auto"
-  leaves it after backward on a CPU device).
+  ``overlap_optimizer=True`` (the optimizer stepped during backward, which
+  "auto" also does since session 17), and ``zinf_nvme_late`` the default with
+  ``overlap_optimizer=False`` (every step after backward).
 
 With nvme configurations, the disk's read and write rates are probed once at
 the start (zinf's swap engine, 512 MiB each way), and a table puts each zinf
@@ -126,13 +127,15 @@ SYSTEMS = {
     # Like DeepSpeed, which keeps gradients in RAM: nvme_grad_ram_bytes covering every gradient.
     "zinf_nvme_ram": ("zinf stage 3, offload nvme, gradients in RAM", "zinf",
                       {"device": "nvme", "placement": "nvme", "grads_in_ram": True}),
-    # The two above with the optimizer stepped during backward (overlap_optimizer=True; "auto" is off on a
-    # CPU device): what it changes, in the same run.
+    # The two above with the optimizer stepped during backward (overlap_optimizer=True; "auto", the default,
+    # is the same since session 17), and the default with it off: what it changes, in the same run.
     "zinf_nvme_early": ("zinf stage 3, offload nvme, optimizer during backward", "zinf",
                         {"device": "nvme", "placement": "nvme", "overlap_optimizer": True}),
     "zinf_nvme_ram_early": ("zinf stage 3, offload nvme, gradients in RAM, optimizer during backward", "zinf",
                             {"device": "nvme", "placement": "nvme", "grads_in_ram": True,
                              "overlap_optimizer": True}),
+    "zinf_nvme_late": ("zinf stage 3, offload nvme, optimizer after backward", "zinf",
+                       {"device": "nvme", "placement": "nvme", "overlap_optimizer": False}),
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)

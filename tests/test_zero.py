@@ -65,7 +65,7 @@ OFFLOAD_CONFIGS = [
       {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_grad_ram_bytes": 24 << 10}]
 
 
-# Issue 26: the optimizer steps during backward (overlap_optimizer; "auto" is off on a CPU device) where the
+# Issue 26: the optimizer steps during backward (overlap_optimizer, on by default) where the
 # parameters and the optimizer state rest on NVMe; with clipping that clips every early step is dropped.
 EARLY = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "overlap_optimizer": True,
          "nvme_grad_ram_bytes": 0}
