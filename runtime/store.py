@@ -330,8 +330,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 # On: with the compute on an accelerator the CPU and the disk idle through backward.
                 # On a CPU device too since the gradients stay in RAM by default (nvme_grad_ram_bytes
                 # "auto"): backward then writes no gradients, and the early step's reads and writes fill
-                # the idle disk (1.19-1.29x at world 2, 1.02-1.32x at world 1; benchmarks/RESULTS.md,
-                # session 17). Session 13, with every gradient written to disk, measured -12% to +10%.
+                # the idle disk (1.04-1.29x at world 2, 1.02-1.32x at world 1 in three runs;
+                # benchmarks/RESULTS.md, session 17). Session 13, with every gradient written to disk,
+                # measured -12% to +10%.
                 step_in_backward = True
             record.step_in_backward = (step_in_backward and stage == 3 and param_tier == "nvme"
                                        and opt_tier == "nvme" and not exact and param.requires_grad
