@@ -213,3 +213,23 @@ def test_zero_grad_before_the_step_drops_the_early_steps_and_their_held_copies(s
     assert early.step() == set()  # nothing to step: no gradient
     assert all(torch.equal(before[key], value) for key, value in early.state().items())
     assert early.adam.early.pool.in_use_bytes == 0 and early.store.transient["cpu"] == 0
+
+
+@pytest.mark.parametrize("step_in_backward, copies, expected", [
+    ("auto", 2, True),  # on a CPU device too since session 17 (gradients in RAM by default)
+    (False, 2, False),
+    (True, 2, True),
+    ("auto", 1, False),  # a held copy needs the second slot of nvme_copies=2
+])
+def test_overlap_optimizer_auto_steps_in_backward_on_a_cpu_device(tmp_path, step_in_backward, copies, expected):
+    store = ParamStore()
+    store.configure_offload(str(tmp_path), 16 << 20, aio_block_size=1 << 20, aio_queue_depth=4, aio_threads=1,
+                            nvme_copies=copies)
+    param = torch.nn.Parameter(torch.randn(4, 8))
+    record = store.adopt(param, "w", stage=3, partition="allgather", param_dtype="fp32", param_tier="nvme",
+                         opt_tier="nvme", step_in_backward=step_in_backward)
+    assert record.device.type == "cpu" and record.step_in_backward is expected
+    for engine in store.engines():
+        engine.close()
+    if store.pinned is not None:
+        store.pinned.close()
