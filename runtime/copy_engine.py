@@ -11,8 +11,9 @@ the caller holds them) until the work is waited on.
   runs at once on the caller's thread instead when the compute already keeps
   every core busy (torch's threads times the node's ranks cover the cores):
   there a worker only takes a core from the compute and adds a hand-off to
-  each wait (a GPT step at world size 1 on 2 cores: ~10% faster,
-  benchmarks/RESULTS.md, session 17).  Copies next to NVMe reads keep the
+  each wait (benchmarks/RESULTS.md, session 17: with the trim change in
+  zinf_compiler/optim.py, the cpu tier's GPT step at world size 1 on 2
+  cores went from 0.550 s to 0.402 s).  Copies next to NVMe reads keep the
   worker, which fills the main thread's waits on the disk.
 * CUDA: the copy runs on one side stream per device, after that stream has
   waited for the current stream (``target`` was allocated there, so its
@@ -31,6 +32,7 @@ import threading
 
 import torch
 
+from .host_memory import ranks_on_node
 from .trace import Tracer, now
 
 
@@ -99,8 +101,7 @@ class CopyEngine:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        return torch.get_num_threads() * ranks >= cores
+        return torch.get_num_threads() * ranks_on_node() >= cores
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, track: str, name: str,
              busy_cores_inline: bool = False) -> CopyWork:

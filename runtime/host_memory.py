@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 _malloc_trim = None
 try:
@@ -43,6 +44,11 @@ def new_peak_window() -> int:
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
     return rss_figures()["VmRSS"]
+
+
+def ranks_on_node() -> int:
+    """The zinf ranks sharing this machine's memory and cores (``LOCAL_WORLD_SIZE``, set by torchrun; else 1)."""
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
 
 
 def available_bytes() -> int | None:

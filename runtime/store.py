@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import queue
 import threading
 import weakref
@@ -27,7 +26,7 @@ import torch
 
 from .aio import ALIGNMENT, AioEngine
 from .comm import Comm, MeshComm
-from .host_memory import available_bytes
+from .host_memory import available_bytes, ranks_on_node
 from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
 from .pinned import PinnedPool
 from .resting import RestingParameter, guard_aliases
@@ -389,8 +388,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun); fixed from then on, so that what this
         process allocates afterwards does not shrink it.  0 where the kernel does not say."""
         if self._grad_ram_auto is None:
-            local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-            self._grad_ram_auto = (available_bytes() or 0) // (AUTO_GRAD_RAM_SHARE * local_ranks)
+            self._grad_ram_auto = (available_bytes() or 0) // (AUTO_GRAD_RAM_SHARE * ranks_on_node())
         return self._grad_ram_auto
 
     def release_full_storage(self, records: Iterable[ParamRecord]) -> None:
