@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -221,8 +222,45 @@ class ZinfOptimizer(torch.optim.Optimizer):
         records = self._records()
         return records[0].mesh if records else RUNTIME.store.comm.mesh()
 
-    def _reduce_stage1_grads(self) -> None:
+    def _reduce_full_grads(self) -> None:
+        """Average the gradients no graph averaged: stage 1's, and those of parameters no graph used."""
         RUNTIME.store.reduce_full_grads([r for r in self._records() if r.stage == 1])
+        self._average_uncaptured_grads()
+
+    def _average_uncaptured_grads(self) -> None:
+        """Average over ranks the gradients of parameters that no compiled graph used, as DDP would.
+
+        A parameter zinf never sharded ran only in eager code (Dynamo runs the
+        rest of a loop, and what follows it, eagerly after a graph break inside
+        the loop), so no graph averaged its gradient: each rank holds its own.
+        A rank without a gradient for one counts as zero, and it gets the
+        average too (DDP with ``find_unused_parameters``); a parameter no rank
+        has a gradient for keeps None.  Taken again at ``step()`` after
+        ``clip_grad_norm_``: averaging equal gradients leaves them as they are,
+        and every rank takes part in the same collectives whatever its
+        gradients did in between.
+        """
+        everyone = self._mesh().everyone
+        if everyone.world_size == 1:
+            return
+        params = [slot.param for slot in self._memory_slots() if slot.record is None and slot.param.requires_grad]
+        if not params:
+            return
+        device = params[0].device
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
+        # One all-reduce: every gradient (zeros where a rank has none), then a has-gradient flag per parameter.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, dtype)
+                          for p in params]
+                         + [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)])
+        records = self._records()
+        everyone.all_reduce_avg(flat, "all_reduce of the gradients of parameters no graph used",
+                                records[0].ledger.collective_timeout if records else None).wait()
+        offset, present = 0, flat[-len(params):].tolist()
+        for param, on_some_rank in zip(params, present):
+            numel = param.numel()
+            averaged = flat[offset : offset + numel].view_as(param).to(param.device, param.dtype)
+            param.grad = averaged if on_some_rank else None
+            offset += numel
 
     # --- the torch.optim.Optimizer interface -------------------------------------
 
@@ -286,7 +324,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             RUNTIME.tracer.step_done()
             return loss
         RUNTIME.store.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
-        self._reduce_stage1_grads()
+        self._reduce_full_grads()
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
             # On the compute device: the shard may rest on the CPU, which NCCL cannot reduce.
@@ -401,7 +439,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if norm_type != 2.0:
             raise ValueError("zinf clip_grad_norm_ supports norm_type=2.0 only")
         self.bind()
-        self._reduce_stage1_grads()
+        self._reduce_full_grads()
         device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
         # float64 sums; on the parameters' device, where NCCL can reduce them.
         sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
