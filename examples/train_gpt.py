@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = GPT(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    zinf.register()  # "zinf" by name also from a source tree that is not pip-installed
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))

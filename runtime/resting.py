@@ -51,6 +51,9 @@ _METADATA = frozenset(getattr(torch.Tensor, name) for name in (
     "is_floating_point", "is_complex", "nelement", "ndimension", "data_ptr", "requires_grad_", "__hash__",
     "__len__", "get_device", "type", "__reduce_ex__", "_is_view", "is_shared", "is_pinned",
     "register_hook", "register_post_accumulate_grad_hook",  # (hooks: runtime/grad_hooks.py)
+    # Flags Dynamo's fake-tensor conversion reads of a graph input (torch 2.11 calls them outside
+    # is_compiling(): a parameter zinf.materialize adopted before the first compile reached it there).
+    "is_conj", "is_neg", "is_inference", "_is_zerotensor",
 ))
 
 

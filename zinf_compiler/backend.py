@@ -384,6 +384,20 @@ _KEEP_NODE_ORDER = {name: False for name in ("reorder_for_peak_memory", "reorder
                                               "reorder_for_compute_comm_overlap")}
 
 
+def _forget_outputs_rewritten_to_none(aten_gm: torch.fx.GraphModule) -> None:
+    """Inductor records which graph outputs the user sees (to keep their strides) before calling its inner
+    compile; the partition pass then returns ``None`` for gradients that went to zinf's shards.  With
+    comprehensive padding (on for GPU inputs) Inductor walks back from each of those outputs and fails on a
+    ``None`` one, so those indices are dropped: no tensor leaves there any more."""
+    output = aten_gm.graph.find_nodes(op="output")[0]
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is None:
+        return
+    values = output.args[0] if not isinstance(output.args[0], torch.fx.Node) else output.args
+    output.meta["user_visible_output_idxs"] = [
+        idx for idx in visible if idx < len(values) and isinstance(values[idx], torch.fx.Node)]
+
+
 def _compile_with_inductor(gm, example_inputs, rewrite, joint_hook) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -395,6 +409,7 @@ def _compile_with_inductor(gm, example_inputs, rewrite, joint_hook) -> Callable:
         else:
             kind = "forward"
         aten_gm = rewrite(aten_gm, kind)
+        _forget_outputs_rewritten_to_none(aten_gm)
         # A placeholder the activations pass turned into a handle takes a handle now.
         placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
         aten_inputs = [node.meta["val"] if node.meta.get("zinf_activation_handle") else example

@@ -235,7 +235,7 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "parameter's optimizer state during backward, as its gradient lands, and commit it at opt.step() "
                "unless clipping that clips, an fp16 overflow or a later gradient voids it (then it steps after "
                "backward, as with False); the result is the same either way. auto: on (the disk idles through "
-               "backward otherwise: 1.02-1.32x faster steps on a CPU device, benchmarks/RESULTS.md)"),
+               "backward otherwise: 1.02-1.32x faster steps on a CPU device, 1.21x on one H100; benchmarks/RESULTS.md)"),
     OptionSpec("nvme_copies", 2, _choice(2, 1),
                "copies of each swap file: 2 keeps the last good step through a failed write, 1 halves the disk"),
     OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
