@@ -17,6 +17,7 @@ world 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import pathlib
@@ -30,6 +31,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor
 import torch  # noqa: E402
 
 import zinf_compiler as zinf  # noqa: E402
+from zinf_compiler.backend import _deterministic_lowering  # noqa: E402
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
 
 
@@ -63,6 +65,11 @@ def main() -> int:
     inductor_model = copy.deepcopy(base)
     variants["inductor"] = (torch.compile(inductor_model),
                             torch.optim.AdamW(inductor_model.parameters(), lr=1e-3, fused=True))
+    # Plain Inductor compiled as zinf compiles (torch's deterministic algorithms on while lowering, see
+    # backend._deterministic_lowering): what determinism alone costs, apart from zinf.
+    deterministic_model = copy.deepcopy(base)
+    variants["inductor (deterministic)"] = (torch.compile(deterministic_model),
+                                            torch.optim.AdamW(deterministic_model.parameters(), lr=1e-3, fused=True))
     zinf_model = copy.deepcopy(base)
     variants[f"zinf (stage {args.stage})"] = (
         torch.compile(zinf_model, backend="zinf", options={"stage": args.stage, "lower": "inductor"}),
@@ -82,7 +89,8 @@ def main() -> int:
 
     for name, (model, opt) in variants.items():
         started = time.perf_counter()
-        run_steps(model, opt)
+        with _deterministic_lowering() if name == "inductor (deterministic)" else contextlib.nullcontext():
+            run_steps(model, opt)  # compiles
         print(f"warm-up {name}: {time.perf_counter() - started:.1f}s (compile included)", flush=True)
 
     samples = {name: [] for name in variants}

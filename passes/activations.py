@@ -34,7 +34,7 @@ import torch
 
 from zinf_compiler import ops
 from zinf_compiler.context import GraphContext
-from zinf_compiler.graph_utils import call_op, last_node, node_order, output_node
+from zinf_compiler.graph_utils import call_op, last_node, nbytes_hint, node_order, output_node
 
 NAME = "activations"
 KINDS = ("forward", "backward")
@@ -47,10 +47,6 @@ def run(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
     else:
         ctx.facts["activations"] = _backward(gm.graph, ctx)
     return gm
-
-
-def _nbytes(value) -> int:
-    return int(value.numel()) * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _static(value) -> bool:
@@ -116,7 +112,7 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
             kind = "activation"
         else:
             kind = "parameter" if base.name in ctx.params else "input"
-        row = {"name": node.name, "bytes": _nbytes(value) if _static(value) else None, "kind": kind,
+        row = {"name": node.name, "bytes": nbytes_hint(value) if _static(value) else None, "kind": kind,
                "where": "device", "recompute_tag": str(node.meta.get("recompute", "")) or None}
         rows.append(row)
         if kind == "activation":
@@ -167,7 +163,7 @@ def _held_bytes(kept: list[torch.fx.Node]) -> int:
     the runtime's ledger counts too.
     """
     values = [_base(node).meta.get("val") for node in {_base(node) for node in kept}]
-    return sum(_nbytes(value) for value in values if isinstance(value, torch.Tensor) and _static(value))
+    return sum(nbytes_hint(value) for value in values if isinstance(value, torch.Tensor) and _static(value))
 
 
 def _offload(graph: torch.fx.Graph, node: torch.fx.Node, tier: str, nvme_path: str) -> torch.fx.Node:
@@ -207,8 +203,8 @@ def _backward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
             value.meta["val"] = saved
         for use in uses:
             use.replace_input_with(placeholder, value)
-        fetched.append({"name": placeholder.name, "bytes": _nbytes(saved)})
-    recomputed = [{"name": node.name, "bytes": _nbytes(node.meta.get("val"))} for node in graph.nodes
+        fetched.append({"name": placeholder.name, "bytes": nbytes_hint(saved)})
+    recomputed = [{"name": node.name, "bytes": nbytes_hint(node.meta.get("val"))} for node in graph.nodes
                   if node.op == "call_function" and node.meta.get("partitioner_tag") == "is_forward"
                   and node.target is not operator.getitem
                   and not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)]

@@ -65,7 +65,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from zinf_compiler.context import CapturedGraph, GraphContext
-from zinf_compiler.graph_utils import output_node
+from zinf_compiler.graph_utils import nbytes_hint, output_node
 from zinf_compiler.options import ZinfOptions
 from zinf_compiler.runtime.ledger import ZinfBudgetError
 from zinf_compiler.runtime.store import DTYPES
@@ -177,10 +177,7 @@ def _numel(shape: Iterable[int]) -> int:
 
 def _value_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
-        try:
-            return int(value.numel()) * value.element_size()
-        except Exception:  # symbolic sizes: not worth guessing
-            return 0
+        return nbytes_hint(value)
     if isinstance(value, (tuple, list)):
         return max((_value_bytes(item) for item in value), default=0)
     return 0
@@ -362,13 +359,6 @@ class _Rewriter:
         self.ctx.facts["tiled"].append({"op": node.name, "param": info.name, "factor": len(rows),
                                         "weight_bytes": weight_bytes, "tile_bytes": tile_bytes,
                                         "bytes_saved": weight_bytes - tile_bytes})
-
-    @staticmethod
-    def _size(node: Any, dim: int) -> int | None:
-        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if not isinstance(value, torch.Tensor) or dim >= value.dim():
-            return None
-        return int(value.shape[dim])
 
     def bias_tile(self, bias: Any, node: torch.fx.Node, out_dim: int, start: int, stop: int) -> Any:
         """addmm's ``input`` restricted to the output columns (or rows) ``start:stop`` (it broadcasts)."""

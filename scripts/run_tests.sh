@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what the tests need, then run the suite (slow tests excluded; see pyproject).
-# Extra arguments go to pytest.
+# Install what the tests need, then run the default suite (tests marked slow excluded; see pyproject).
+#   --all    the whole suite, slow tests included (what .ci/run runs)
+# Other arguments go to pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PIP_EXTRAS=dev source "$repo/scripts/install.sh"
@@ -8,5 +9,10 @@ cd "$repo"
 # Crashed spawned workers leave pytorch-errorfile-* in $TMPDIR: keep them out of /tmp.
 export TMPDIR="$(mktemp -d)"
 trap 'rm -rf "$TMPDIR"' EXIT
-# --durations: the slowest tests, to keep the suite within its 15 minutes.
-"$VENV_PYTHON" -m pytest -q --durations=15 "$@"
+select=()
+if [ "${1:-}" = "--all" ]; then
+    shift
+    select=(-m "")  # every marker: the default run leaves out -m slow
+fi
+# --durations: the slowest tests, to keep the default run within its 10 minutes.
+"$VENV_PYTHON" -m pytest -q --durations=15 "${select[@]}" "$@"

@@ -2,7 +2,8 @@
 
 Trains the small GPT on fixed batches (each rank its slice of the global
 batch), saving a checkpoint every ``save_every`` steps under ``root``.
-``resume``: start from ``zinf.latest(root)``.  ``kill``: SIGKILL this
+``resume``: start from ``zinf.latest(root)``.  ``threads``: torch's intra-op threads (multirank
+starts ranks with one).  ``kill``: SIGKILL this
 process in the middle of step ``at`` (after backward, before the optimizer
 step) or in the middle of the save after step ``at`` (data and manifest
 written, nothing committed).  Rank 0 writes the losses and the final
@@ -27,6 +28,8 @@ ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)  # eps: as test_zero, so near-
 
 def main() -> None:
     args, world, rank = start_rank()
+    if args.get("threads"):
+        torch.set_num_threads(args["threads"])  # multirank starts ranks with OMP_NUM_THREADS=1
     options = {"lower": "eager", **args["options"]}
     if "nvme" in (options.get("offload_param"), options.get("offload_optimizer")):
         options["nvme_path"] = os.environ["TMPDIR"]
@@ -74,8 +77,9 @@ def main() -> None:
     state = zinf.full_state_dict(compiled)
     if rank == 0:
         torch.save({"losses": losses, "state": state, "loaded_state": loaded_state, "first": first}, args["out"])
+    early = getattr(getattr(opt, "_nvme", None), "early", None)  # the NVMe optimizer's steps during backward
     with open(os.environ["ZINFTEST_OUT"], "w") as handle:
-        json.dump({"first": first}, handle)
+        json.dump({"first": first, "early_committed": early.stats["committed"] if early is not None else 0}, handle)
     finish_rank()
 
 

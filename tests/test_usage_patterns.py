@@ -17,7 +17,7 @@ from zinf_compiler.runtime.resting import ZinfRestingParameterError
 from zinf_compiler.runtime.process import RUNTIME
 from usage import Pair, seeded, train_interleaved
 
-EAGER3 = {"stage": 3, "lower": "eager"}
+STAGE3 = {"stage": 3}  # the default lowering (Inductor), as users get it
 
 
 def mlp() -> torch.nn.Module:
@@ -64,7 +64,7 @@ def batches(count: int = 3, rows: int = 5, width: int = 8, seed: int = 7) -> lis
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_instances_of_one_class_train_their_own_weights(stage):
     # Same code, so Dynamo hands both models one compiled graph; each must use its own weights.
-    pairs = [Pair(seeded(mlp, seed), {"stage": stage, "lower": "eager"}) for seed in (0, 1)]
+    pairs = [Pair(seeded(mlp, seed), {"stage": stage}) for seed in (0, 1)]
     losses = train_interleaved(pairs, batches(), steps=3)
     for pair, pair_losses in zip(pairs, losses):
         pair.assert_equal(pair_losses, f"stage {stage}")
@@ -74,27 +74,27 @@ def test_two_instances_of_one_class_train_their_own_weights(stage):
 @pytest.mark.parametrize("interrupt", ["graph_break", "item", "print"])
 def test_graph_break_inside_a_repeated_block(interrupt):
     # Each block's halves become graphs that every block shares.
-    pair = Pair(seeded(lambda: Stack(interrupt=interrupt), 0), EAGER3)
+    pair = Pair(seeded(lambda: Stack(interrupt=interrupt), 0), STAGE3)
     pair.assert_equal(train_interleaved([pair], batches(), steps=3)[0], interrupt)
 
 
 def test_each_block_compiled_on_its_own():
     def compile_blocks(model):
         for index, block in enumerate(model.blocks):
-            model.blocks[index] = torch.compile(block, backend="zinf", options=EAGER3)
+            model.blocks[index] = torch.compile(block, backend="zinf", options=STAGE3)
         return model
 
-    pair = Pair(seeded(Stack, 0), EAGER3, compile_fn=compile_blocks)
+    pair = Pair(seeded(Stack, 0), STAGE3, compile_fn=compile_blocks)
     pair.assert_equal(train_interleaved([pair], batches(), steps=3)[0])
 
 
 def test_a_new_model_after_dropping_the_old_one():
     # Resuming: the first model is dropped, a second one of the same class (other weights) trains.
-    first = Pair(seeded(Stack, 0), EAGER3)
+    first = Pair(seeded(Stack, 0), STAGE3)
     train_interleaved([first], batches(), steps=2)
     del first
     gc.collect()
-    second = Pair(seeded(Stack, 1), EAGER3)
+    second = Pair(seeded(Stack, 1), STAGE3)
     second.assert_equal(train_interleaved([second], batches(), steps=3)[0])
 
 
@@ -118,7 +118,7 @@ def test_zinf_op_outside_a_compiled_call_is_a_clear_error():
 def test_a_torch_optimizer_on_sharded_gradients_is_refused(stage, optimizer):
     # Before: param.grad stays None at stages 2-3 and torch.optim silently trained nothing.
     model = seeded(mlp, 0)
-    compiled = torch.compile(model, backend="zinf", options={"stage": stage, "lower": "eager"})
+    compiled = torch.compile(model, backend="zinf", options={"stage": stage})
     opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.1)
     compiled(batches()[0]).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match=f"Use zinf_compiler.optim.{optimizer}"):
@@ -129,7 +129,7 @@ def test_a_torch_optimizer_on_sharded_gradients_is_refused(stage, optimizer):
 def test_torch_clip_grad_norm_on_sharded_gradients_clips_them(stage):
     # Before: torch.nn.utils.clip_grad_norm_ read param.grad (None at stages 2-3),
     # returned 0 and clipped nothing, silently.
-    pair = Pair(seeded(mlp, 0), {"stage": stage, "lower": "eager"})
+    pair = Pair(seeded(mlp, 0), {"stage": stage})
     x = batches()[0]
     norms = []
     for model, compiled, opt in ((pair.eager, pair.eager, pair.eager_opt),
@@ -165,7 +165,7 @@ def test_two_optimizers_over_one_model_with_one_cycle_schedules(options, tmp_pat
     # step, so its gradients accumulate), each under OneCycleLR, which also moves betas.
     eager = seeded(mlp, 0)
     model = copy.deepcopy(eager)
-    compiled = torch.compile(model, backend="zinf", options={"lower": "eager", "nvme_path": str(tmp_path), **options})
+    compiled = torch.compile(model, backend="zinf", options={"nvme_path": str(tmp_path), **options})
     adam = dict(eps=1e-6, fused=True)
     runs = []
     for net, fn, optim in ((eager, eager, torch.optim), (model, compiled, zinf.optim)):
@@ -210,7 +210,7 @@ def test_two_compiled_models_sharing_a_module_and_an_evaluation_between_micro_ba
     trunk = torch.nn.Linear(8, 8)
     eager = torch.nn.ModuleList([Head(trunk), Head(trunk)])
     models = copy.deepcopy(eager)  # (deepcopy keeps the trunk shared)
-    options = {"lower": "eager", "nvme_path": str(tmp_path), **options}
+    options = {"nvme_path": str(tmp_path), **options}
     compiled = [torch.compile(model, backend="zinf", options=options) for model in models]
     adam = dict(lr=1e-2, eps=1e-6, fused=True)
     x, y, z = batches(3)
@@ -243,7 +243,7 @@ importlib.reload(zinf.optim)  # a second install must not guard its own guard
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 eager = copy.deepcopy(model)
-compiled = torch.compile(model, backend="zinf", options={"stage": 3, "lower": "eager"})
+compiled = torch.compile(model, backend="zinf", options={"stage": 3})
 opt = zinf.optim.SGD(model.parameters(), lr=0.1)
 x = torch.randn(4, 8)
 compiled(x).pow(2).mean().backward()
@@ -262,7 +262,7 @@ print(clip_grad_norm_(model.parameters(), 0.01).item(), clip_grad_norm_(eager.pa
 def test_a_torch_optimizer_on_unsharded_parameters_still_works():
     # Stage 0 (and stage 1 on one rank) keep full gradients in param.grad: nothing to refuse.
     pair_model = seeded(mlp, 0)
-    compiled = torch.compile(pair_model, backend="zinf", options={"stage": 0, "lower": "eager"})
+    compiled = torch.compile(pair_model, backend="zinf", options={"stage": 0})
     opt = torch.optim.SGD(pair_model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in pair_model.parameters()]
     compiled(batches()[0]).pow(2).mean().backward()
@@ -274,7 +274,7 @@ def test_a_torch_optimizer_on_unsharded_parameters_still_works():
                                            (3, "nvme")])
 def test_inference_mode_and_no_grad_equal_eager(stage, offload, tmp_path):
     # Before: at stage 3 the copy worker raised "Inplace update to inference tensor outside InferenceMode".
-    options = {"stage": stage, "lower": "eager", "offload_param": offload, "nvme_path": str(tmp_path)}
+    options = {"stage": stage, "offload_param": offload, "nvme_path": str(tmp_path)}
     pair = Pair(seeded(Stack, 0), options)
     pair.eager.eval()
     pair.zinf_model.eval()
@@ -317,6 +317,8 @@ def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
     torch.manual_seed(0)
     eager = GPT(cfg)
     zinf_model = copy.deepcopy(eager)
+    # lower="eager": this case is about the passes' placeholder check alone; tests/test_dynamic_shapes.py
+    # runs varying sizes under Inductor, the default.
     compiled = torch.compile(zinf_model, backend="zinf", options={"stage": stage, "lower": "eager"}, dynamic=dynamic)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     zinf_opt = zinf.optim.AdamW(zinf_model.parameters(), lr=1e-2)
@@ -353,7 +355,7 @@ def test_past_the_recompile_limit_is_an_error_not_an_untrained_model(stage):
     # Before (stage 2): past the limit Dynamo ran the frame eagerly, gradients went to
     # param.grad and zinf's optimizer silently stepped nothing.
     model = seeded(Scaled, 0)
-    compiled = torch.compile(model, backend="zinf", options={"stage": stage, "lower": "eager"})
+    compiled = torch.compile(model, backend="zinf", options={"stage": stage})
     opt = zinf.optim.SGD(model.parameters(), lr=0.1)
     x = batches()[0]
     # As in a fresh process: zinf itself must ask Dynamo to fail past the limit.
@@ -383,7 +385,7 @@ class WithCounter(torch.nn.Module):
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_integer_and_bool_parameters_stay_exact(offload, tmp_path):
     # Before: sharded through fp32 at stage 3, 2**40 + 1 became 2**40.
-    options = {"stage": 3, "lower": "eager", "offload_param": offload, "nvme_path": str(tmp_path)}
+    options = {"stage": 3, "offload_param": offload, "nvme_path": str(tmp_path)}
     pair = Pair(seeded(WithCounter, 0), options)
     pair.assert_equal(train_interleaved([pair], batches(), steps=2)[0], str(options))
     state = zinf.full_state_dict(pair.zinf_model)
@@ -400,7 +402,7 @@ def test_an_optimizer_over_a_meta_model_names_materialize():
     # The usual loop makes the optimizer before the first forward: the error comes there.
     with torch.device("meta"):
         model = mlp()
-    torch.compile(model, backend="zinf", options=EAGER3)
+    torch.compile(model, backend="zinf", options=STAGE3)
     with pytest.raises(ValueError, match=r"on the meta device .* zinf_compiler.materialize\(model, options"):
         zinf.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -410,7 +412,7 @@ def test_a_meta_model_without_materialize_names_materialize():
     # the README); when the graph reaches zinf, its error says what to do.
     with torch.device("meta"):
         model = mlp()
-    compiled = torch.compile(model, backend="zinf", options=EAGER3)
+    compiled = torch.compile(model, backend="zinf", options=STAGE3)
     with pytest.raises(Exception, match=r"call zinf.materialize\(model, options, init_fn=...\)"):
         compiled(batches()[0].to("meta"))
 
@@ -425,8 +427,8 @@ def test_memory_figures_and_device_budget_are_per_model():
     small = seeded(lambda: wide(16), 0)
     large = seeded(lambda: wide(4096), 1)
     budget = 64 * 1024  # enough for the small model's gathers, far too little for the large one's
-    small_compiled = torch.compile(small, backend="zinf", options={**EAGER3, "device_memory_limit": budget})
-    large_compiled = torch.compile(large, backend="zinf", options=EAGER3)
+    small_compiled = torch.compile(small, backend="zinf", options={**STAGE3, "device_memory_limit": budget})
+    large_compiled = torch.compile(large, backend="zinf", options=STAGE3)
     small_opt, large_opt = zinf.optim.SGD(small.parameters(), lr=0.1), zinf.optim.SGD(large.parameters(), lr=0.1)
     x = batches()[0]
 
@@ -448,7 +450,7 @@ def test_memory_figures_and_device_budget_are_per_model():
     # The small model's own budget still holds for it.
     tight = seeded(lambda: wide(4096), 2)
     with pytest.raises(Exception, match="device_memory_limit exceeded"):
-        torch.compile(tight, backend="zinf", options={**EAGER3, "device_memory_limit": budget})(x)
+        torch.compile(tight, backend="zinf", options={**STAGE3, "device_memory_limit": budget})(x)
 
 
 @pytest.mark.parametrize("touch", ["sum", "repr", "detach", "data", "state_dict", "copy_with_grad"])
@@ -457,7 +459,7 @@ def test_touching_a_stage3_parameter_is_a_clear_error(touch):
     from zinf_compiler.runtime.resting import ZinfRestingParameterError
 
     model = seeded(mlp, 0)
-    torch.compile(model, backend="zinf", options=EAGER3)(batches()[0]).sum().backward()
+    torch.compile(model, backend="zinf", options=STAGE3)(batches()[0]).sum().backward()
     weight = model[0].weight
     actions = {
         "sum": lambda: weight.sum(),
@@ -478,7 +480,7 @@ def test_touching_a_stage3_parameter_is_a_clear_error(touch):
 @pytest.mark.parametrize("writeback", [False, True])
 def test_gathered_gives_eager_code_full_parameters(offload, writeback, tmp_path):
     # Eager code on a stage-3 model (HF generate, an eager evaluation): with zinf.gathered.
-    options = {**EAGER3, "offload_param": offload, "offload_optimizer": offload, "nvme_path": str(tmp_path)}
+    options = {**STAGE3, "offload_param": offload, "offload_optimizer": offload, "nvme_path": str(tmp_path)}
     pair = Pair(seeded(mlp, 0), options, lr=1e-2, optimizer="AdamW", eps=1e-6, fused=True)
     x, y = batches()[:2]
     losses = [pair.step(x)]
@@ -511,7 +513,7 @@ def test_gathered_gives_eager_code_full_parameters(offload, writeback, tmp_path)
 def test_load_state_dict_into_a_trained_stage3_model_writes_the_shards(options, tmp_path):
     # Before: model.load_state_dict on a stage-3 model segfaulted.  Now it writes every rank's
     # slice into the shards (and fp32 masters), on every tier; training goes on as in eager.
-    options = {**EAGER3, "nvme_path": str(tmp_path), **options}
+    options = {**STAGE3, "nvme_path": str(tmp_path), **options}
     optimizer = ({"optimizer": "Adam", "lr": 1e-2, "eps": 1e-6, "fused": True}
                  if options.get("offload_optimizer") == "nvme" else {})
     pair = Pair(seeded(Stack, 0), options, **optimizer)
@@ -540,7 +542,7 @@ def test_a_collective_on_one_rank_only_times_out_naming_the_call_after_its_model
 def test_resume_into_a_new_model_loading_optimizer_state_before_its_first_forward(options):
     # Before: opt.load_state_dict before the first compiled forward failed later with the
     # misleading "stepped before the model's first compiled forward".
-    options = {**EAGER3, **options}
+    options = {**STAGE3, **options}
     adam = {"optimizer": "Adam", "lr": 1e-2, "eps": 1e-6, "fused": True}
     first = Pair(seeded(Stack, 0), options, **adam)
     train_interleaved([first], batches(), steps=2)
@@ -564,7 +566,7 @@ def test_resume_into_a_new_model_loading_optimizer_state_before_its_first_forwar
 def test_load_state_dict_at_stages_1_and_2_reaches_the_optimizer(stage):
     # Found by the property test: the parameters took the loaded values, but the optimizer
     # stepped its old fp32 masters and wrote them back over them (eager loss 0.135, zinf 0.580).
-    pair = Pair(seeded(Stack, 0), {"stage": stage, "lower": "eager"})
+    pair = Pair(seeded(Stack, 0), {"stage": stage})
     train_interleaved([pair], batches(), steps=2)
     fresh = seeded(Stack, 5).state_dict()
     pair.eager.load_state_dict(fresh)
@@ -582,7 +584,7 @@ def test_model_zero_grad_clears_the_gradient_shards(stage, compiled_module):
     equal to eager, not two backwards' gradients added up."""
     eager = seeded(lambda: Stack(depth=2), 3)
     model = copy.deepcopy(eager)
-    compiled = torch.compile(model, backend="zinf", options={"stage": stage, "lower": "eager"})
+    compiled = torch.compile(model, backend="zinf", options={"stage": stage})
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05)
     zinf_opt = zinf.optim.SGD(model.parameters(), lr=0.05)
     for inputs in batches(4):
@@ -609,7 +611,7 @@ def test_stage_1_2_at_world_1_shard_is_the_parameter_and_user_writes_still_count
     # after which zinf rebuilds the parameter from the shard after each step, as it did before.
     torch.manual_seed(0)
     # SGD: the key bias's gradient is rounding noise (softmax ignores it), which Adam would scale up to lr.
-    pair = Pair(GPT(CFG), {"stage": stage, "lower": "eager"}, momentum=0.9)
+    pair = Pair(GPT(CFG), {"stage": stage}, momentum=0.9)
     batches = synthetic_batches(CFG, 2, 6)
     losses = [pair.step(*batches[0])]
     records = [RUNTIME.store.lookup(p) for p in pair.zinf_model.parameters()]

@@ -15,6 +15,8 @@ runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import functools
 import logging
@@ -384,6 +386,28 @@ _KEEP_NODE_ORDER = {name: False for name in ("reorder_for_peak_memory", "reorder
                                               "reorder_for_compute_comm_overlap")}
 
 
+@contextlib.contextmanager
+def _deterministic_lowering():
+    """Lower with torch's deterministic algorithms on, for this compile only.
+
+    Inductor's CPU code adds into a tensor at indices (the embedding's backward, index_put, scatter_add)
+    with atomic adds across threads, so with 2+ threads the same step gives different last bits from run to
+    run (plain ``torch.compile`` too); a resume would then not be bit-identical.  In deterministic mode it
+    lowers those ops to ATen's, which add in order.  The flag is read while lowering and restored after:
+    the user's eager code keeps its own setting.  (Uninitialized memory stays unfilled, as without it.)
+    """
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill if enabled else False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def _forget_outputs_rewritten_to_none(aten_gm: torch.fx.GraphModule) -> None:
     """Inductor records which graph outputs the user sees (to keep their strides) before calling its inner
     compile; the partition pass then returns ``None`` for gradients that went to zinf's shards.  With
@@ -414,7 +438,7 @@ def _compile_with_inductor(gm, example_inputs, rewrite, joint_hook) -> Callable:
         placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
         aten_inputs = [node.meta["val"] if node.meta.get("zinf_activation_handle") else example
                        for node, example in zip(placeholders, aten_inputs)]
-        with torch._inductor.config.patch(_KEEP_NODE_ORDER):
+        with torch._inductor.config.patch(_KEEP_NODE_ORDER), _deterministic_lowering():
             return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
 
     patches = {}

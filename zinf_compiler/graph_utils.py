@@ -8,6 +8,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 
+def size_hint(size: Any) -> int:
+    """A size as a plain int, without specializing the graph: a symbolic size (dynamic shapes) by the
+    example value it was traced with, 0 if it has none.  ``int(symbolic)`` would install a guard
+    (``s0 == 5``), and the graph would then recompile for every new size."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 0
+    return int(size)
+
+
+def nbytes_hint(value: Any) -> int:
+    """Bytes of a tensor (its example value's when its shape is symbolic, see :func:`size_hint`); 0 if no tensor."""
+    return size_hint(value.numel()) * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
 def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     """Each node's position in ``graph``, to compare nodes by where they run."""
     return {node: position for position, node in enumerate(graph.nodes)}

@@ -29,6 +29,7 @@ from typing import Iterable
 import torch
 
 from zinf_compiler.context import GraphContext
+from zinf_compiler.graph_utils import nbytes_hint
 from zinf_compiler.runtime.units import UnitSizes, can_share_unit, unit_of
 
 
@@ -78,8 +79,7 @@ def unit_sizes(ctx: GraphContext, slots: list[int], tile: int | None) -> UnitSiz
 
 def value_bytes(nodes) -> int:
     """Bytes of the tensors graph ``nodes`` compute (a reduction's gradients, held while it starts)."""
-    values = [node.meta.get("val") for node in nodes if hasattr(node, "meta")]
-    return int(sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor)))
+    return sum(nbytes_hint(node.meta.get("val")) for node in nodes if hasattr(node, "meta"))
 
 
 def unit_name(ctx: GraphContext, slots: list[int], tile: int | None) -> str:

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import ops
 from .context import CapturedGraph
+from .graph_utils import nbytes_hint
 from .module_paths import ModuleBlocks
 
 
@@ -74,10 +75,7 @@ def _nbytes(node: torch.fx.Node) -> int:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return 0
-    try:
-        return int(value.numel()) * value.element_size()
-    except (TypeError, RuntimeError):  # symbolic sizes: take the hint
-        return int(torch.sym_int(value.numel()).node.hint or 0) * value.element_size()
+    return nbytes_hint(value)
 
 
 def _is_view(node: torch.fx.Node) -> bool:
