@@ -13,6 +13,7 @@ select=()
 if [ "${1:-}" = "--all" ]; then
     shift
     select=(-m "")  # every marker: the default run leaves out -m slow
+    export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"  # 8 drawn cases per property, not 3
 fi
 # --durations: the slowest tests, to keep the default run within its 10 minutes.
 "$VENV_PYTHON" -m pytest -q --durations=15 "${select[@]}" "$@"

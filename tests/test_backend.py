@@ -24,7 +24,7 @@ def test_eager_lowering_matches_eager_pytorch(graph_break):
     assert result.max_param_error <= 1e-5, result.describe()
 
 
-@pytest.mark.parametrize("graph_break", [False, True], ids=["one-graph", "graph-break"])
+@pytest.mark.parametrize("graph_break", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one-graph", "graph-break"])
 def test_inductor_lowering_matches_eager_pytorch(graph_break):
     # Inductor fuses and reorders reductions, and 5 AdamW steps at lr 1e-2
     # turn that rounding into parameter differences of ~1e-4 of each

@@ -164,6 +164,7 @@ def test_drawn_models_are_never_specialized_by_zinf(layers, heads, width, name, 
     assert guards.compiles <= 2, f"{guards.compiles} compiles of one graph"
 
 
+@pytest.mark.slow  # a recompile per size: about a minute
 def test_shape_guards_find_a_planted_specialization(monkeypatch):
     # The check above must be able to fail: a pass that calls int() on a symbolic size is caught.
     from zinf_compiler.passes import activations

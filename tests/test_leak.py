@@ -18,7 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 5
 
 
-@pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("tier", [pytest.param("none", marks=pytest.mark.slow),
+                                  pytest.param("cpu", marks=pytest.mark.slow), "nvme"])
 def test_five_rounds_of_compile_train_drop_give_everything_back(tier, tmp_path):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, os.path.join(HERE, "leak_worker.py"), tier, str(tmp_path), str(ROUNDS)],

@@ -185,6 +185,7 @@ def _check_hsdp(results, refusals):
                 assert calls.get("all_reduce", 0) == 0, (config, calls)
 
 
+@pytest.mark.slow  # world 2 covers each of these in the default run
 def test_at_world_4_stages_offload_buckets_early_steps_and_hsdp_equal_eager():
     """World size 4, one launch of four processes (suite time): ZeRO stages 0-3 (broadcast partitioning at
     stage 3 only; worlds 1 and 2 run the rest); issue 13 acceptance 2: buckets with shards on CPU memory
