@@ -16,7 +16,6 @@ runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import functools
 import logging

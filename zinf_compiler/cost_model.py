@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .graph_utils import size_hint
 from .runtime.host_memory import available_bytes
 
 if TYPE_CHECKING:
@@ -274,16 +275,8 @@ def _free_device_bytes(device: torch.device) -> int | None:
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
-def _concrete(size: Any) -> int:
-    """A size as a plain int: a symbolic one (dynamic shapes) by its example value, 0 if it has none."""
-    if isinstance(size, torch.SymInt):
-        hint = getattr(size.node, "hint", None)
-        return int(hint) if hint is not None else 0
-    return int(size)
-
-
 def _numel(value: Any) -> int:
-    return _concrete(value.numel()) if isinstance(value, torch.Tensor) else 0
+    return size_hint(value.numel()) if isinstance(value, torch.Tensor) else 0
 
 
 def _bytes(value: Any) -> int:
@@ -315,12 +308,12 @@ class CostModel:
         name = target._opname
         if name in _MATMULS and isinstance(value, torch.Tensor):
             first = inputs[1] if name in ("addmm", "baddbmm") else inputs[0]
-            inner = _concrete(first.shape[-1]) if isinstance(first, torch.Tensor) and first.dim() else 1
+            inner = size_hint(first.shape[-1]) if isinstance(first, torch.Tensor) and first.dim() else 1
             return 2 * _numel(value) * inner / self.profile.matmul_flops
         if "scaled_dot_product" in name and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 4:
             query, key = inputs[0], inputs[1]
-            batch, heads, q_len, head_dim = (_concrete(size) for size in query.shape)
-            flops = 4 * batch * heads * q_len * _concrete(key.shape[-2]) * head_dim
+            batch, heads, q_len, head_dim = (size_hint(size) for size in query.shape)
+            flops = 4 * batch * heads * q_len * size_hint(key.shape[-2]) * head_dim
             return (2.5 if "backward" in name else 1.0) * flops / self.profile.matmul_flops
         moved = _bytes(value) + sum(_bytes(item) for item in inputs)
         return moved / self.profile.memory_bandwidth

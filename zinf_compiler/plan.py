@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
-
 from zinf_compiler.context import GraphContext
 from zinf_compiler.graph_utils import nbytes_hint
 from zinf_compiler.runtime.units import UnitSizes, can_share_unit, unit_of

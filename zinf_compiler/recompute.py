@@ -72,10 +72,7 @@ def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
 
 def _nbytes(node: torch.fx.Node) -> int:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return nbytes_hint(value)
+    return nbytes_hint(node.meta.get("val"))
 
 
 def _is_view(node: torch.fx.Node) -> bool:
