@@ -139,6 +139,7 @@ SYSTEMS = {
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)
+BASELINE_SUFFIX = "@baseline"  # --baseline: the same zinf configuration run from another checkout
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 DEFAULT_LADDER = "4x1024,12x2048,16x2304,20x2560,24x2816,28x3072"
@@ -613,6 +614,15 @@ class Config:
         spec.update(extra or {})
         return spec
 
+    def interpreter(self) -> tuple[str, str, str]:
+        """(python, this script, checkout) a rank runs: this checkout's, or --baseline's for a baseline twin."""
+        checkout = self.settings.get("checkout")
+        if checkout is None:
+            return sys.executable, os.path.abspath(__file__), REPO
+        venv_python = os.path.join(checkout, ".venv", "bin", "python")
+        python = venv_python if os.path.exists(venv_python) else sys.executable
+        return python, os.path.join(checkout, "benchmarks", "peers.py"), checkout
+
     def start(self, extra: dict | None = None) -> None:
         if self.settings["placement"] == "nvme" or self.kind == "deepspeed":
             os.makedirs(self.swap_dir, exist_ok=True)
@@ -632,9 +642,10 @@ class Config:
                 env["TORCH_EXTENSIONS_DIR"] = TORCH_EXTENSIONS
                 env.setdefault("DS_ACCELERATOR", "cpu")
             out = open(os.path.join(self.folder, f"rank{rank}.log"), "w")
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", spec], env=env,
+            python, script, checkout = self.interpreter()
+            proc = subprocess.Popen([python, script, "--worker", spec], env=env,
                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                    pass_fds=(write_fd,), cwd=REPO, start_new_session=True)
+                                    pass_fds=(write_fd,), cwd=checkout, start_new_session=True)
             os.close(write_fd)
             out.close()
             self.procs.append(proc)
@@ -876,6 +887,28 @@ def loss_check(args, configs: list[Config]) -> tuple[dict[str, str], list[str]]:
     return verdicts, lines
 
 
+def _print_before_after(configs: list[Config], comparable: set[str]) -> None:
+    """--baseline: each zinf configuration against its twin from the other checkout, same group, same turns."""
+    by_key = {(c.key, c.world): c for c in configs}
+    pairs = [(c, by_key.get((c.key + BASELINE_SUFFIX, c.world))) for c in configs
+             if not c.key.endswith(BASELINE_SUFFIX)]
+    pairs = [(now, before) for now, before in pairs if before is not None]
+    if not pairs:
+        return
+    print("\n## Before and after (--baseline)\n")
+    print("| configuration | step, this checkout (s) | step, baseline (s) | this / baseline | "
+          "peak RSS this / baseline |")
+    print("|---|---|---|---|---|")
+    for now, before in pairs:
+        if now.name not in comparable or before.name not in comparable:
+            print(f"| {now.name} | {'-' if now.name not in comparable else f'{now.median():.3f}'} | "
+                  f"{'-' if before.name not in comparable else f'{before.median():.3f}'} | not comparable | |")
+            continue
+        rss = f"{now.peak_rss / before.peak_rss:.2f}" if now.peak_rss and before.peak_rss else "-"
+        print(f"| {now.name} | {now.median():.3f} | {before.median():.3f} | {now.median() / before.median():.2f} "
+              f"| {rss} |")
+
+
 def report(args, configs: list[Config], params: int, wall: float) -> None:
     tokens = args.batch * args.seq
     print("\n## Loss trajectories (checked before any speed figure)\n")
@@ -929,6 +962,7 @@ def report(args, configs: list[Config], params: int, wall: float) -> None:
           "with zinf cpu; DeepSpeed nvme with zinf nvme.")
 
     _print_limit_model(configs, comparable)
+    _print_before_after(configs, comparable)
 
     print("\n## Targets\n")
     for world in sorted({c.world for c in configs}):
@@ -1193,6 +1227,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--mem-limit-gib", type=float, default=None,
                         help="--find-max: resident set at which an attempt is killed (default: MemAvailable at "
                              "the attempt's start less 2 GiB)")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="another checkout of zinf (with its own .venv, or sharing this interpreter): each zinf "
+                             "configuration also runs from it, in the same group and turns, for a same-run "
+                             "before/after comparison")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.systems is None:
@@ -1201,6 +1239,10 @@ def parse() -> argparse.Namespace:
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    if args.baseline:
+        if args.find_max:
+            parser.error("--baseline compares step times at one size; it does not combine with --find-max")
+        args.systems = add_baseline_twins(args.systems, os.path.abspath(args.baseline), parser)
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     args.mem_limit = None if args.mem_limit_gib is None else int(args.mem_limit_gib * 2**30)
     for name, default, find_max_default in (("seq", 64, 32), ("batch", 2, 1), ("nvme_copies", 2, 1)):
@@ -1213,6 +1255,23 @@ def parse() -> argparse.Namespace:
             parser.error(f"--batch {args.batch} does not split over world size {world}")
 
     return args
+
+
+def add_baseline_twins(systems: list[str], checkout: str, parser) -> list[str]:
+    """Each zinf system followed by its twin run from ``checkout`` (key ``<key>@baseline``)."""
+    script = os.path.join(checkout, "benchmarks", "peers.py")
+    if not os.path.exists(script):
+        parser.error(f"--baseline {checkout}: no benchmarks/peers.py there; give a checkout of zinf")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    with_twins = []
+    for key in systems:
+        with_twins.append(key)
+        label, kind, settings = SYSTEMS[key]
+        if kind == "zinf":
+            SYSTEMS[f"{key}{BASELINE_SUFFIX}"] = (f"{label} [baseline {commit.stdout.strip() or checkout}]", kind,
+                                                  dict(settings, checkout=checkout))
+            with_twins.append(f"{key}{BASELINE_SUFFIX}")
+    return with_twins
 
 
 def versions() -> str:
