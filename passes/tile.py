@@ -22,7 +22,7 @@ Plan (before adoption, :func:`plan_tiles`)
     within ``tile_threshold``.  A weight that does not fit even one row per
     tile is a :class:`ZinfBudgetError` at compile time.  Tiles are row ranges
     as equal as possible (:func:`split_rows`).  The plan fixes the parameter's
-    layout in the store (``RUNTIME.store.adopt(tile_rows=...)``: tile-major, each row
+    layout in the parameter store (adopted with ``tile_rows``: tile-major, each row
     tile flattened, padded and split evenly over ranks), so a parameter keeps
     the plan of its first compile; the backend records it per Dynamo input
     position in ``ctx.captured.tile_rows``.
