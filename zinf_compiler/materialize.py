@@ -44,6 +44,7 @@ from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_saf
 from .runtime.host_memory import trim
 from .runtime.store import DTYPES
 from .runtime.tiers import STORE_TIER
+from .tile_plan import tile_rows_for
 
 log = logging.getLogger("zinf")
 
@@ -146,8 +147,11 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
             read_local = None
             if stored is not None:
                 read_local = functools.partial(_read_local, stored, reader=reader)
-            record = adopt(store, real, name, parsed, mesh, _tile_plan(name, real, parsed, mesh.shard.world_size),
-                           read_local=read_local)
+            # Without the graph every weight over tile_threshold is laid out in tiles; one the graph does
+            # not multiply (an embedding) is then gathered whole from that layout: it costs only the planning.
+            tile_rows = tile_rows_for(name, real.shape, real.numel() * DTYPES[parsed.param_dtype].itemsize, parsed,
+                                      mesh.shard.world_size, parsed.device_memory_limit, 0)
+            record = adopt(store, real, name, parsed, mesh, tile_rows, read_local=read_local)
             store.release_full_storage([record])
             done += real.numel()
         if ready:
@@ -167,24 +171,6 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
 
 def _named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())  # tied parameters once, under their first name
-
-
-def _tile_plan(name: str, param: torch.Tensor, options, world_size: int) -> tuple[int, ...] | None:
-    """Rows per tile for a weight the tile pass will split (the layout is fixed at adoption).
-
-    Without the graph, every 2-D parameter over ``tile_threshold`` is laid out
-    in tiles; one the graph does not multiply (an embedding) is then gathered
-    whole from that layout, which costs nothing but the planning.
-    """
-    from zinf_compiler.passes import tile
-
-    nbytes = param.numel() * DTYPES[options.param_dtype].itemsize
-    if param.dim() != 2 or nbytes <= options.tile_threshold or tile.NAME in options.disable_passes:
-        return None
-    rows, row_bytes = param.shape[0], param.shape[1] * DTYPES[options.param_dtype].itemsize
-    factor = tile.choose_factor(name, rows, row_bytes, options, world_size,
-                                options.device_memory_limit, 0)
-    return tile.split_rows(rows, factor) if factor > 1 else None
 
 
 def _stored(files: dict, names_by_id: dict, tensor: torch.Tensor):
