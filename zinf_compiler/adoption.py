@@ -17,7 +17,7 @@ import torch
 from .options import ZinfOptions
 from .runtime.aio import validate_folder
 from .runtime.store import DTYPES
-from .runtime.tiers import STORE_TIER
+from .runtime.tiers import store_tier
 
 
 def model_mesh(options: ZinfOptions, comm):
@@ -34,7 +34,7 @@ def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, til
     """
     return store.adopt(
         param, name, stage=options.stage, partition=options.partition, param_dtype=options.param_dtype,
-        param_tier=STORE_TIER[options.offload_param], opt_tier=STORE_TIER[options.offload_optimizer],
+        param_tier=store_tier(options.offload_param), opt_tier=store_tier(options.offload_optimizer),
         tile_rows=tile_rows, ledger=ledger, read_local=read_local, bucket_bytes=options.bucket_bytes,
         grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, step_in_backward=options.overlap_optimizer,
     )

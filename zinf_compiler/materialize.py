@@ -43,7 +43,7 @@ from .runtime.aio import human_bytes
 from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
 from .runtime.host_memory import trim
 from .runtime.store import DTYPES
-from .runtime.tiers import STORE_TIER
+from .runtime.tiers import store_tier
 from .tile_plan import tile_rows_for
 
 log = logging.getLogger("zinf")
@@ -164,8 +164,8 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
     reader.close()
     if progress:
         log.warning("zinf.materialize: %s parameters (%s of fp32) sharded to param tier %s, optimizer tier %s "
-                    "in %.1f s", f"{total:,}", human_bytes(4 * total), STORE_TIER[parsed.offload_param],
-                    STORE_TIER[parsed.offload_optimizer], time.perf_counter() - started)
+                    "in %.1f s", f"{total:,}", human_bytes(4 * total), store_tier(parsed.offload_param),
+                    store_tier(parsed.offload_optimizer), time.perf_counter() - started)
     return model
 
 
