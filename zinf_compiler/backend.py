@@ -3,7 +3,8 @@
 ``torch.compile(model, backend="zinf", options={...})`` calls :func:`zinf_backend`
 once per Dynamo subgraph (a graph break gives several).  Each subgraph goes
 through AOTAutograd into forward and backward ATen graphs; every ATen graph
-runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
+runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered
+(:mod:`zinf_compiler.lowering`):
 
 * ``lower="inductor"``: Inductor's own ``compile_fx`` drives AOTAutograd, its
   joint-graph passes and the min-cut partitioner; zinf hooks in as
@@ -11,6 +12,11 @@ runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
 * ``lower="eager"``: zinf runs AOTAutograd itself (same min-cut partitioner,
   no decompositions beyond AOTAutograd's own) and runs the rewritten graph's
   generated Python.
+
+This module is part of the entry layer: it hands the process's runtime parts
+(the parameter store, activations, tracer) to what it calls, including
+``zinf.materialize`` (:func:`materialize`), which adopts parameters ahead of
+the first compile through the same settings (:mod:`zinf_compiler.adoption`).
 """
 
 from __future__ import annotations
