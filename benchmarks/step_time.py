@@ -31,7 +31,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor
 import torch  # noqa: E402
 
 import zinf_compiler as zinf  # noqa: E402
-from zinf_compiler.backend import _deterministic_lowering  # noqa: E402
+from zinf_compiler.lowering import deterministic_lowering  # noqa: E402
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main() -> int:
     variants["inductor"] = (torch.compile(inductor_model),
                             torch.optim.AdamW(inductor_model.parameters(), lr=1e-3, fused=True))
     # Plain Inductor compiled as zinf compiles (torch's deterministic algorithms on while lowering, see
-    # backend._deterministic_lowering): what determinism alone costs, apart from zinf.
+    # lowering.deterministic_lowering): what determinism alone costs, apart from zinf.
     deterministic_model = copy.deepcopy(base)
     variants["inductor (deterministic)"] = (torch.compile(deterministic_model),
                                             torch.optim.AdamW(deterministic_model.parameters(), lr=1e-3, fused=True))
@@ -89,7 +89,7 @@ def main() -> int:
 
     for name, (model, opt) in variants.items():
         started = time.perf_counter()
-        with _deterministic_lowering() if name == "inductor (deterministic)" else contextlib.nullcontext():
+        with deterministic_lowering() if name == "inductor (deterministic)" else contextlib.nullcontext():
             run_steps(model, opt)  # compiles
         print(f"warm-up {name}: {time.perf_counter() - started:.1f}s (compile included)", flush=True)
 

@@ -8,21 +8,15 @@ factor.  No model change, no tensor slicing across ranks.
 
 Plan (before adoption, :func:`plan_tiles`)
     Stage 3 only (elsewhere full parameters sit on every rank and a tile saves
-    nothing).  A 2-D parameter is tiled when it exceeds ``tile_threshold``
-    bytes and the Dynamo graph feeds it to a matmul (``linear``, ``@``,
-    ``mm``, ...).  ``tile_factor`` gives the number of tiles (capped by the
-    rows); ``"auto"`` takes the smallest factor whose working set fits the
-    budget, ``device_memory_limit`` or else the free CUDA memory::
-
-        2 * tile + tile / world + largest other gathered parameter + largest activation
-
-    (the gathered tile, the next tile or the tile's gradient being
-    reduce-scattered with its output slice, and the largest other live
-    tensors).  With no budget known (CPU, no limit) ``auto`` keeps each tile
-    within ``tile_threshold``.  A weight that does not fit even one row per
-    tile is a :class:`ZinfBudgetError` at compile time.  Tiles are row ranges
-    as equal as possible (:func:`split_rows`).  The plan fixes the parameter's
-    layout in the store (``RUNTIME.store.adopt(tile_rows=...)``: tile-major, each row
+    nothing).  A 2-D parameter over ``tile_threshold`` bytes that the Dynamo
+    graph feeds to a matmul (``linear``, ``@``, ``mm``, ...) gets the rows per
+    tile that :func:`zinf_compiler.tile_plan.tile_rows_for` decides (the one
+    home of the rule, which ``zinf.materialize`` uses too), with the budget
+    ``device_memory_limit`` or else the free CUDA memory, and as the other
+    live bytes the largest untiled parameter plus the largest activation.  A
+    weight that does not fit even one row per tile is a
+    :class:`ZinfBudgetError` at compile time.  The plan fixes the parameter's
+    layout in the parameter store (adopted with ``tile_rows``: tile-major, each row
     tile flattened, padded and split evenly over ranks), so a parameter keeps
     the plan of its first compile; the backend records it per Dynamo input
     position in ``ctx.captured.tile_rows``.
@@ -67,10 +61,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from zinf_compiler.context import CapturedGraph, GraphContext
 from zinf_compiler.graph_utils import nbytes_hint, output_node
 from zinf_compiler.options import ZinfOptions
-from zinf_compiler.runtime.ledger import ZinfBudgetError
 from zinf_compiler.runtime.store import DTYPES
+from zinf_compiler.tile_plan import TILE_PASS, tile_rows_for, wants_tiles
 
-NAME = "tile"
+NAME = TILE_PASS
 KINDS = ("forward", "backward", "inference")
 
 TILE_META = "zinf_tile"  # on a weight slice: {"param", "tile", "rows": (start, stop), "factor"}
@@ -91,51 +85,6 @@ _DYNAMO_TRANSPOSES = {"t", "transpose", "permute", "T", "mT"}
 # --- plan ---------------------------------------------------------------------------------
 
 
-def split_rows(rows: int, factor: int) -> tuple[int, ...]:
-    """``rows`` in ``factor`` contiguous tiles as equal as possible (the first ones one row larger)."""
-    factor = max(1, min(factor, rows))
-    base, extra = divmod(rows, factor)
-    return tuple(base + (1 if tile < extra else 0) for tile in range(factor))
-
-
-def working_set_bytes(rows: int, row_bytes: int, factor: int, world_size: int, other_bytes: int) -> int:
-    """What the runtime holds on the device while one tile of a ``factor``-tiled weight is in use.
-
-    The gathered tile (padded to the world size), a second tile (the next one
-    prefetched, or the tile's gradient being reduce-scattered) and the
-    gradient's output slice, plus ``other_bytes`` of other live tensors.
-    """
-    tile_rows = split_rows(rows, factor)[0]
-    tile_bytes = math.ceil(tile_rows * row_bytes / world_size) * world_size
-    return 2 * tile_bytes + tile_bytes // world_size + other_bytes
-
-
-def choose_factor(name: str, rows: int, row_bytes: int, options: ZinfOptions, world_size: int,
-                  budget: int | None, other_bytes: int) -> int:
-    """The tile factor of one oversized weight (1: leave it whole)."""
-    if options.tile_factor != "auto":
-        return max(1, min(int(options.tile_factor), rows))
-    if budget is None:
-        # Nothing to fit: keep each tile within the threshold that called the weight oversized.
-        return max(1, min(rows, math.ceil(rows * row_bytes / max(options.tile_threshold, 1))))
-    fits = lambda factor: working_set_bytes(rows, row_bytes, factor, world_size, other_bytes) <= budget  # noqa: E731
-    if not fits(rows):
-        need = working_set_bytes(rows, row_bytes, rows, world_size, other_bytes)
-        raise ZinfBudgetError(
-            f"tile pass: the matmul on {name} ({rows} rows of {row_bytes:,} bytes) does not fit "
-            f"device_memory_limit={budget:,} even in {rows} one-row tiles: one tile's working set with the "
-            f"largest other live tensors ({other_bytes:,} bytes) needs {need:,} bytes; raise device_memory_limit "
-            f"or offload activations")
-    low, high = 1, rows  # the working set shrinks as the factor grows: binary search the smallest that fits
-    while low < high:
-        middle = (low + high) // 2
-        if fits(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return low
-
-
 def plan_tiles(captured: CapturedGraph, dynamo_gm: torch.fx.GraphModule, options: ZinfOptions,
                budget: int | None) -> dict[int, tuple[int, ...]]:
     """Rows per tile for each parameter (by Dynamo input position) that the tile pass should split.
@@ -143,17 +92,11 @@ def plan_tiles(captured: CapturedGraph, dynamo_gm: torch.fx.GraphModule, options
     ``budget``: device bytes for gathered and in-flight tensors (``device_memory_limit`` or free device
     memory), None if unknown.  Called by the backend before the parameters are adopted.
     """
-    if options.stage != 3 or NAME in options.disable_passes:
-        return {}
     placeholders = [node for node in dynamo_gm.graph.nodes if node.op == "placeholder"]
     compute_itemsize = DTYPES[options.param_dtype].itemsize
-    world = max(captured.world_size, 1)
-    candidates = {}
-    for info in captured.params:
-        if info.shape is None or len(info.shape) != 2 or info.nbytes <= options.tile_threshold:
-            continue
-        if info.position < len(placeholders) and _feeds_matmul(placeholders[info.position]):
-            candidates[info.position] = info
+    candidates = {info.position: info for info in captured.params
+                  if wants_tiles(info.shape, info.nbytes, options) and info.position < len(placeholders)
+                  and _feeds_matmul(placeholders[info.position])}
     if not candidates:
         return {}
     untiled_param_bytes = [_numel(info.shape) * compute_itemsize
@@ -163,11 +106,9 @@ def plan_tiles(captured: CapturedGraph, dynamo_gm: torch.fx.GraphModule, options
     other_bytes = max(untiled_param_bytes, default=0) + max(activation_bytes, default=0)
     plans = {}
     for position, info in candidates.items():
-        rows = info.shape[0]
-        row_bytes = info.shape[1] * compute_itemsize
-        factor = choose_factor(info.name, rows, row_bytes, options, world, budget, other_bytes)
-        if factor > 1:
-            plans[position] = split_rows(rows, factor)
+        rows = tile_rows_for(info.name, info.shape, info.nbytes, options, captured.world_size, budget, other_bytes)
+        if rows is not None:
+            plans[position] = rows
     return plans
 
 

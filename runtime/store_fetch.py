@@ -15,6 +15,7 @@ from .collectives import start_gather
 from .comm import Comm
 from .ledger import Ledger, ZinfStoreError
 from .transfers import Transfer, TransferState as State
+from .tiers import fetch_steps
 from .records import DONE, POOL_WAIT_SECONDS, ParamRecord, finish_copies, nbytes_of, padded_view
 from .units import Unit, unit_of
 
@@ -121,9 +122,8 @@ class FetchSteps:
     @staticmethod
     def _rests_on_device(unit: Unit) -> bool:
         """Whether the unit's shards rest where its gather runs: the device tier, or the cpu tier on a CPU
-        device (the offload pass fetches nothing for those, see passes/offload.py)."""
-        layout = unit.pieces[0].layout
-        return layout.param_tier == "device" or (layout.param_tier == "cpu" and layout.shard.device == unit.device)
+        device (the offload pass fetches nothing for those: the same :func:`fetch_steps`)."""
+        return not fetch_steps(unit.pieces[0].layout.param_tier, unit.device)
 
     def gather_start(self, unit: Unit) -> None:
         """Start assembling the unit's parameters (all-gather of slices, or broadcast from the owner)."""

@@ -7,6 +7,7 @@ from typing import Iterable
 import torch
 
 from .aio import AioError
+from .buckets import bucket_runs
 from .collectives import finish_reduce, padded_rows, start_reduce
 from .nvme_adam import state_key, sub_groups
 from .grad_hooks import run_grad_hooks
@@ -14,7 +15,7 @@ from .ledger import ZinfStoreError
 from .transfers import TransferState as State
 from .records import (DONE, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
                       tier_memory)
-from .units import Unit, can_share_unit
+from .units import Unit
 
 
 class GradientSteps:
@@ -135,18 +136,9 @@ class GradientSteps:
 
     def _bucketed(self, records: list[ParamRecord]) -> list[Unit]:
         """Units of ``records`` for the optimizer's own collectives: buckets of up to ``bucket_bytes`` gathered."""
-        units, bucket, held = [], [], 0
-        for record in records:
-            nbytes = record.gathered_numel * record.compute_dtype.itemsize
-            if bucket and (held + nbytes > record.bucket_bytes or not can_share_unit(bucket[0], record)
-                           or record.mesh is not bucket[0].mesh):
-                units.append(self.unit(bucket))
-                bucket, held = [], 0
-            bucket.append(record)
-            held += nbytes
-        if bucket:
-            units.append(self.unit(bucket))
-        return units
+        runs = bucket_runs(records, [record.bucket_bytes for record in records],
+                           [id(record.mesh) for record in records])  # (one collective runs on one mesh)
+        return [self.unit([records[index] for index in run]) for run in runs]
 
     def reduce_full_grads(self, records: Iterable[ParamRecord]) -> None:
         """Stage 1: reduce the full ``param.grad`` of each record into its gradient shard, bucketed."""

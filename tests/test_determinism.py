@@ -4,7 +4,7 @@ Issue 35: resuming a stage-3 NVMe run was not always bit-identical (2 of 6 runs 
 differed in last bits).  The cause was not zinf's timing-dependent choices but Inductor's CPU code:
 scatter-adds (the embedding's backward) use atomic adds across threads, so with 2+ threads even plain
 ``torch.compile`` gives different last bits from run to run.  zinf now lowers with torch's deterministic
-algorithms on (``backend._deterministic_lowering``).
+algorithms on (``lowering.deterministic_lowering``).
 
 Each run here is the README's default (Inductor, stage 3, parameters and optimizer on NVMe, default
 options) in fresh processes, 6 steps with a checkpoint every 3; the resumed runs stop after step 2 and

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from zinf_compiler.dump import read_index
 from zinf_compiler.options import parse_options
-from zinf_compiler.passes.tile import choose_factor, split_rows, working_set_bytes
+from zinf_compiler.tile_plan import choose_factor, split_rows, working_set_bytes
 from zinf_compiler.runtime.process import RUNTIME
 
 FORMS = ("linear", "x_wt", "x_w", "w_x", "wt_x")

@@ -7,9 +7,8 @@ importing this package (the backend is registered through the
 
 from . import optim
 from .api import full_state_dict, gathered, memory_report, reset_peak_memory
-from .backend import register, zinf_backend
+from .backend import materialize, register, zinf_backend
 from .checkpoint import ZinfCheckpointError, export, latest, load, save
-from .materialize import materialize
 from .options import ZinfOptionError, ZinfOptions, describe_options, parse_options
 
 __version__ = "0.1.0"

@@ -9,7 +9,8 @@ import torch
 from zinf_compiler.optim import live_optimizers
 from zinf_compiler.runtime.process import RUNTIME
 
-TIERS = ("device", "cpu", "nvme")
+from zinf_compiler.runtime.tiers import TIERS
+
 KINDS = ("params", "grads", "optimizer", "activations")
 
 

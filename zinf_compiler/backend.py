@@ -3,7 +3,8 @@
 ``torch.compile(model, backend="zinf", options={...})`` calls :func:`zinf_backend`
 once per Dynamo subgraph (a graph break gives several).  Each subgraph goes
 through AOTAutograd into forward and backward ATen graphs; every ATen graph
-runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
+runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered
+(:mod:`zinf_compiler.lowering`):
 
 * ``lower="inductor"``: Inductor's own ``compile_fx`` drives AOTAutograd, its
   joint-graph passes and the min-cut partitioner; zinf hooks in as
@@ -11,25 +12,28 @@ runs the pass pipeline (:mod:`zinf_compiler.pipeline`) and is then lowered:
 * ``lower="eager"``: zinf runs AOTAutograd itself (same min-cut partitioner,
   no decompositions beyond AOTAutograd's own) and runs the rewritten graph's
   generated Python.
+
+This module is part of the entry layer: it hands the process's runtime parts
+(the parameter store, activations, tracer) to what it calls, including
+``zinf.materialize`` (:func:`materialize`), which adopts parameters ahead of
+the first compile through the same settings (:mod:`zinf_compiler.adoption`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Mapping
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from .context import CapturedGraph, GraphContext
+from . import materialize as materializing
+from .adoption import adopt, model_mesh, plan_offload
+from .context import CapturedGraph
 from .cost_model import CostModel, agreed_free_bytes, is_profiled, profile_machine
 from .runtime import agreement
-from .runtime.aio import validate_folder
 from .runtime.binding import Binding, bind_backward, bound, compiled_backward_nodes
 from .runtime.grad_hooks import claim_grad_hooks
 from .runtime.binding import active as binding_active
@@ -37,8 +41,8 @@ from .runtime.process import RUNTIME
 from .runtime.store import DTYPES, ZinfStoreError
 from .runtime.units import layout_of
 from .dump import GraphDumper
+from .lowering import compile_eager, compile_with_inductor, rewrite_aten_graph
 from .options import ZinfOptions, parse_options
-from .pipeline import run_passes
 from .recompute import joint_graph_hook
 
 log = logging.getLogger("zinf")
@@ -70,7 +74,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     """
     RUNTIME.store.collect()
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
-    captured.mesh = model_mesh(options)
+    captured.mesh = model_mesh(options, RUNTIME.store.comm)
     captured.world_size = captured.mesh.shard.world_size
     # Collectives of no model (stage 0's all-reduce, checkpoints' exchanges): the last compile's setting;
     # each model's own use its ledger's (set below).
@@ -83,7 +87,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
         torch_patches.install()  # clipping, model.zero_grad() and torch optimizers must see the shards
         _check_materialized(captured)
-        plan_offload(list(captured.param_tensors.values()), options)
+        plan_offload(RUNTIME.store, list(captured.param_tensors.values()), options)
         from zinf_compiler.passes import tile as tile_pass
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
@@ -103,7 +107,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     dumper.dump_dynamo(gm)
     if dumper.enabled:
         RUNTIME.tracer.arm(dumper.root, options.trace_step, RUNTIME.trace_sample)
-    rewrite = functools.partial(_rewrite_aten_graph, captured, dumper)
+    rewrite = functools.partial(rewrite_aten_graph, captured, dumper)
     joint_hook = joint_graph_hook(captured)  # the checkpointing policy, on the joint graph
     if options.offload_activations == "nvme":
         RUNTIME.activations.configure(options.nvme_path, options.aio_block_size, options.aio_queue_depth, options.aio_threads)
@@ -111,9 +115,9 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     # our hooks, silently dropping every pass: keep it off for zinf graphs.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         if options.lower == "inductor":
-            compiled = _compile_with_inductor(gm, example_inputs, rewrite, joint_hook)
+            compiled = compile_with_inductor(gm, example_inputs, rewrite, joint_hook)
         else:
-            compiled = _compile_eager(gm, example_inputs, rewrite, joint_hook)
+            compiled = compile_eager(gm, example_inputs, rewrite, joint_hook)
     # Only now, with tracing done, may stage 3 parameters give up their memory.
     RUNTIME.store.release_full_storage(adopted)
     # The compiled graph serves any module Dynamo hands it: it must not keep this one alive.
@@ -192,14 +196,8 @@ _AGREEMENT_KEY = "zinf_rank_agreement"
 
 
 def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows, ledger):
-    options = captured.options
-    return RUNTIME.store.adopt(
-        param, captured.inputs[position].name, stage=options.stage, partition=options.partition,
-        param_dtype=options.param_dtype, param_tier=TIERS[options.offload_param],
-        opt_tier=TIERS[options.offload_optimizer], tile_rows=tile_rows, ledger=ledger,
-        bucket_bytes=options.bucket_bytes, grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=captured.mesh,
-        step_in_backward=options.overlap_optimizer,
-    )
+    return adopt(RUNTIME.store, param, captured.inputs[position].name, captured.options, captured.mesh, tile_rows,
+                 ledger=ledger)
 
 
 def _check_materialized(captured: CapturedGraph) -> None:
@@ -302,7 +300,7 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, 
     if options.stage == 3 and param.untyped_storage().nbytes() < param.numel() * param.element_size():
         raise ZinfStoreError(f"zinf: parameter {name} holds no memory and zinf has no record of it; "
                              f"was it sharded by another process or a dropped model?")
-    plan_offload([param], options)
+    plan_offload(RUNTIME.store, [param], options)
     record = _adopt(captured, slot, param, captured.tile_rows.get(slot), ledger)
     if record.tile_rows != captured.tile_rows.get(slot):
         raise ZinfStoreError(
@@ -310,14 +308,6 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, 
             f"this graph expects {captured.tile_rows.get(slot)}")
     RUNTIME.store.release_full_storage([record])
     return record
-
-
-TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
-
-
-def model_mesh(options: ZinfOptions):
-    """The ranks a model with ``options`` shards over (option ``mesh``; default: every rank)."""
-    return options.mesh or RUNTIME.store.comm.mesh()
 
 
 def _device_budget(options: ZinfOptions, captured: CapturedGraph) -> int | None:
@@ -354,175 +344,15 @@ def _plan_schedule(captured: CapturedGraph, options: ZinfOptions) -> None:
     captured.pinned_capacity = RUNTIME.store.prefetch_pinned_bytes()
 
 
-def plan_offload(params: list[torch.Tensor], options: ZinfOptions) -> None:
-    """Before ``params`` are adopted: configure the swap and pinned pool, check nvme_path has room."""
-    RUNTIME.store.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
-                            options.aio_queue_depth, options.aio_threads, options.nvme_copies)
-    if "nvme" not in (options.offload_param, options.offload_optimizer):
-        return
-    world = model_mesh(options).shard.world_size
-    needed = 0
-    for param in params:
-        if RUNTIME.store.lookup(param) is not None:
-            continue
-        local_numel = -(-param.numel() // world) if options.partition == "allgather" else param.numel()
-        RUNTIME.store.plan_shards(local_numel)
-        copies = options.nvme_copies
-        trained_on_nvme = options.offload_optimizer == "nvme" and param.requires_grad
-        # An fp32 parameter trained on nvme is read from its master's files (ParamLayout.params_in_master);
-        # a tiled one keeps files of its own, which this check does not foresee (a full disk still fails cleanly).
-        if options.offload_param == "nvme" and not (trained_on_nvme and options.param_dtype == "fp32"
-                                                    and param.is_floating_point()):
-            needed += copies * local_numel * DTYPES[options.param_dtype].itemsize
-        if trained_on_nvme:
-            needed += copies * 4 * local_numel * 4  # fp32 master, two moments and the gradient
-    validate_folder(options.nvme_path, needed)
+def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None,
+                init_fn: Callable[[torch.nn.Module], None] | None = None, device: torch.device | str | None = None,
+                progress: bool = True, weights: str | os.PathLike | None = None) -> torch.nn.Module:
+    """``zinf.materialize``: build ``model``'s meta-device parameters straight into this process's parameter store.
 
-
-# The schedule pass's order is the plan: Inductor may fuse kernels but must not
-# move zinf's starts and waits (its peak-memory reordering pulled gathers earlier).
-_KEEP_NODE_ORDER = {name: False for name in ("reorder_for_peak_memory", "reorder_for_locality",
-                                              "reorder_for_compute_comm_overlap")}
-
-
-@contextlib.contextmanager
-def _deterministic_lowering():
-    """Lower with torch's deterministic algorithms on, for this compile only.
-
-    Inductor's CPU code adds into a tensor at indices (the embedding's backward, index_put, scatter_add)
-    with atomic adds across threads, so with 2+ threads the same step gives different last bits from run to
-    run (plain ``torch.compile`` too); a resume would then not be bit-identical.  In deterministic mode it
-    lowers those ops to ATen's, which add in order.  The flag is read while lowering and restored after:
-    the user's eager code keeps its own setting.  (Uninitialized memory stays unfilled, as without it.)
+    See :func:`zinf_compiler.materialize.materialize` (which is handed the store) for the arguments and contract.
     """
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = fill if enabled else False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-
-
-def _forget_outputs_rewritten_to_none(aten_gm: torch.fx.GraphModule) -> None:
-    """Inductor records which graph outputs the user sees (to keep their strides) before calling its inner
-    compile; the partition pass then returns ``None`` for gradients that went to zinf's shards.  With
-    comprehensive padding (on for GPU inputs) Inductor walks back from each of those outputs and fails on a
-    ``None`` one, so those indices are dropped: no tensor leaves there any more."""
-    output = aten_gm.graph.find_nodes(op="output")[0]
-    visible = output.meta.get("user_visible_output_idxs")
-    if visible is None:
-        return
-    values = output.args[0] if not isinstance(output.args[0], torch.fx.Node) else output.args
-    output.meta["user_visible_output_idxs"] = [
-        idx for idx in visible if idx < len(values) and isinstance(values[idx], torch.fx.Node)]
-
-
-def _compile_with_inductor(gm, example_inputs, rewrite, joint_hook) -> Callable:
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner_compile(aten_gm: torch.fx.GraphModule, aten_inputs, **kwargs):
-        if kwargs.get("is_backward", False):
-            kind = "backward"
-        elif kwargs.get("is_inference", False):
-            kind = "inference"
-        else:
-            kind = "forward"
-        aten_gm = rewrite(aten_gm, kind)
-        _forget_outputs_rewritten_to_none(aten_gm)
-        # A placeholder the activations pass turned into a handle takes a handle now.
-        placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
-        aten_inputs = [node.meta["val"] if node.meta.get("zinf_activation_handle") else example
-                       for node, example in zip(placeholders, aten_inputs)]
-        with torch._inductor.config.patch(_KEEP_NODE_ORDER), _deterministic_lowering():
-            return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
-
-    patches = {}
-    if joint_hook is not None:
-        # Inductor runs this on the joint graph right before its min-cut partitioner.
-        existing = torch._inductor.config.joint_custom_pre_pass
-        patches["joint_custom_pre_pass"] = joint_hook if existing is None else _chain(existing, joint_hook)
-    with torch._inductor.config.patch(patches):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
-
-
-def _chain(existing, hook):
-    passes = tuple(existing) if isinstance(existing, (list, tuple)) else (existing,)
-
-    def chained(graph):
-        for graph_pass in passes:
-            graph_pass(graph)
-        hook(graph)
-
-    return chained
-
-
-def _compile_eager(gm, example_inputs, rewrite, joint_hook) -> Callable:
-    def make_compiler(kind: str):
-        def compiler(aten_gm: torch.fx.GraphModule, aten_inputs):
-            aten_gm = rewrite(aten_gm, kind)
-            return make_boxed_func(aten_gm.forward)
-
-        return compiler
-
-    def partition(joint_module, joint_inputs, **kwargs):
-        if joint_hook is not None:
-            joint_hook(joint_module.graph)
-        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
-
-    return aot_autograd(
-        fw_compiler=make_compiler("forward"),
-        bw_compiler=make_compiler("backward"),
-        inference_compiler=make_compiler("inference"),
-        partition_fn=partition,
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
-
-
-def _rewrite_aten_graph(
-    captured: CapturedGraph, dumper: GraphDumper, aten_gm: torch.fx.GraphModule, kind: str
-) -> torch.fx.GraphModule:
-    ctx = GraphContext(captured=captured, kind=kind, params=_param_placeholders(captured, aten_gm, kind))
-    return run_passes(aten_gm, ctx, dumper)
-
-
-def _param_placeholders(captured: CapturedGraph, aten_gm: torch.fx.GraphModule, kind: str) -> dict:
-    """Map this ATen graph's parameter placeholders to the Dynamo inputs they carry.
-
-    The forward (or inference) graph takes the Dynamo inputs in order, after
-    any effect tokens AOTAutograd prepends.  The backward graph receives saved
-    parameters under their forward placeholder names (``primals_3``).
-    """
-    placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
-    if kind != "backward":
-        leading = len(placeholders) - len(captured.inputs)
-        tracing = torch._guards.TracingContext.try_get()
-        metadata = getattr(tracing, "fw_metadata", None) if tracing is not None else None
-        tokens = len(getattr(metadata, "tokens", None) or ())
-        if leading < 0 or leading < tokens:
-            raise RuntimeError(
-                f"zinf: graph {captured.graph_id} {kind} has {len(placeholders)} inputs for "
-                f"{len(captured.inputs)} Dynamo inputs; cannot identify its parameters"
-            )
-        for info, node in zip(captured.inputs, placeholders[tokens:]):
-            value = node.meta.get("val")
-            # Parameters only: their shapes are static, while comparing a user input's
-            # symbolic sizes would add a guard that specializes dynamic shapes.
-            if (info.kind == "param" and info.shape is not None and isinstance(value, torch.Tensor)
-                    and tuple(value.shape) != info.shape):
-                raise RuntimeError(
-                    f"zinf: graph {captured.graph_id} {kind}: input {node.name} has shape {tuple(value.shape)}, "
-                    f"expected {info.shape} for {info.name}; cannot identify its parameters"
-                )
-            captured.input_by_placeholder[node.name] = info
-    return {
-        node.name: captured.input_by_placeholder[node.name]
-        for node in placeholders
-        if node.name in captured.input_by_placeholder and captured.input_by_placeholder[node.name].kind == "param"
-    }
+    return materializing.materialize(RUNTIME.store, model, options, init_fn=init_fn, device=device,
+                                     progress=progress, weights=weights)
 
 
 def register() -> None:

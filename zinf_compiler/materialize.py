@@ -36,22 +36,24 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .backend import TIERS, model_mesh, plan_offload
+from .adoption import adopt, model_mesh, plan_offload
 from .checkpoint import _aliases
 from .options import parse_options
 from .runtime.aio import human_bytes
 from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
 from .runtime.host_memory import trim
 from .runtime.store import DTYPES
-from .runtime.process import RUNTIME
+from .runtime.tiers import store_tier
+from .tile_plan import tile_rows_for
 
 log = logging.getLogger("zinf")
 
 
-def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None,
+def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None = None,
                 init_fn: Callable[[torch.nn.Module], None] | None = None, device: torch.device | str | None = None,
                 progress: bool = True, weights: str | os.PathLike | None = None) -> torch.nn.Module:
-    """Allocate, initialize and shard ``model``'s meta-device parameters module by module; returns ``model``.
+    """Allocate, initialize and shard ``model``'s meta-device parameters module by module into ``store`` (the
+    parameter store that compiles of the model will find them in); returns ``model``.
 
     ``device``: the compute device the parameters belong to (where gathers
     put them); default the current CUDA device if there is one, else the CPU.
@@ -86,7 +88,8 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
         names_by_id = _aliases(model)
         _check_weights(files, names_by_id, meta, model, weights)
     reader = RangeReader()
-    plan_offload([p for _, p in meta], parsed)
+    plan_offload(store, [p for _, p in meta], parsed)
+    mesh = model_mesh(parsed, store.comm)
     name_by_id = {id(p): name for name, p in named}
     modules = list(model.modules())
     last_holder = {}  # id(meta param) -> index of the last module holding it
@@ -144,13 +147,12 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
             read_local = None
             if stored is not None:
                 read_local = functools.partial(_read_local, stored, reader=reader)
-            record = RUNTIME.store.adopt(real, name, stage=parsed.stage, partition=parsed.partition,
-                                 param_dtype=parsed.param_dtype, param_tier=TIERS[parsed.offload_param],
-                                 opt_tier=TIERS[parsed.offload_optimizer], tile_rows=_tile_plan(name, real, parsed),
-                                 read_local=read_local, bucket_bytes=parsed.bucket_bytes,
-                                 grad_ram_bytes=parsed.nvme_grad_ram_bytes, mesh=model_mesh(parsed),
-                                 step_in_backward=parsed.overlap_optimizer)
-            RUNTIME.store.release_full_storage([record])
+            # Without the graph every weight over tile_threshold is laid out in tiles; one the graph does
+            # not multiply (an embedding) is then gathered whole from that layout: it costs only the planning.
+            tile_rows = tile_rows_for(name, real.shape, real.numel() * DTYPES[parsed.param_dtype].itemsize, parsed,
+                                      mesh.shard.world_size, parsed.device_memory_limit, 0)
+            record = adopt(store, real, name, parsed, mesh, tile_rows, read_local=read_local)
+            store.release_full_storage([record])
             done += real.numel()
         if ready:
             trim()  # the full tensors just freed sit in glibc's heap otherwise: RSS would grow module by module
@@ -162,31 +164,13 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
     reader.close()
     if progress:
         log.warning("zinf.materialize: %s parameters (%s of fp32) sharded to param tier %s, optimizer tier %s "
-                    "in %.1f s", f"{total:,}", human_bytes(4 * total), TIERS[parsed.offload_param],
-                    TIERS[parsed.offload_optimizer], time.perf_counter() - started)
+                    "in %.1f s", f"{total:,}", human_bytes(4 * total), store_tier(parsed.offload_param),
+                    store_tier(parsed.offload_optimizer), time.perf_counter() - started)
     return model
 
 
 def _named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())  # tied parameters once, under their first name
-
-
-def _tile_plan(name: str, param: torch.Tensor, options) -> tuple[int, ...] | None:
-    """Rows per tile for a weight the tile pass will split (the layout is fixed at adoption).
-
-    Without the graph, every 2-D parameter over ``tile_threshold`` is laid out
-    in tiles; one the graph does not multiply (an embedding) is then gathered
-    whole from that layout, which costs nothing but the planning.
-    """
-    from zinf_compiler.passes import tile
-
-    nbytes = param.numel() * DTYPES[options.param_dtype].itemsize
-    if param.dim() != 2 or nbytes <= options.tile_threshold or tile.NAME in options.disable_passes:
-        return None
-    rows, row_bytes = param.shape[0], param.shape[1] * DTYPES[options.param_dtype].itemsize
-    factor = tile.choose_factor(name, rows, row_bytes, options, model_mesh(options).shard.world_size,
-                                options.device_memory_limit, 0)
-    return tile.split_rows(rows, factor) if factor > 1 else None
 
 
 def _stored(files: dict, names_by_id: dict, tensor: torch.Tensor):

@@ -20,6 +20,8 @@ one reduce-scatter, like FSDP2's per-block groups, and a bucket is held no
 longer than its block runs.
 Tiled, integer and ``partition="broadcast"`` parameters move alone, and so
 does every parameter at world size 1 (no collective to save).
+The run-building rule itself (sharing a unit, the byte limit) is
+runtime/buckets.py's, which the optimizer's own collectives use too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Iterable
 
 from zinf_compiler.context import GraphContext
 from zinf_compiler.graph_utils import nbytes_hint
-from zinf_compiler.runtime.units import UnitSizes, can_share_unit, unit_of
+from zinf_compiler.runtime.buckets import bucket_runs
+from zinf_compiler.runtime.units import UnitSizes, unit_of
 
 
 def block_of(ctx: GraphContext, slot: int) -> str:
@@ -38,8 +41,9 @@ def block_of(ctx: GraphContext, slot: int) -> str:
 
 
 def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
-    """``slots`` (parameters in use order) grouped into buckets, in the same order."""
-    layouts = ctx.captured.layouts
+    """``slots`` (parameters in use order) grouped into buckets, in the same order (see runtime/buckets.py)."""
+    slots = list(slots)
+    layouts = [ctx.captured.layouts.get(slot) for slot in slots]
     # World size 1 has no collective to save; a bucket's values would alias one buffer.
     limit = ctx.options.bucket_bytes if ctx.captured.world_size > 1 else 0
     cap = ctx.captured.live_bytes_cap
@@ -47,23 +51,9 @@ def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
         # Under a device cap a bucket is at most a quarter of it: the next one is
         # prefetched while it is used, and its values are copied out of its matrix.
         limit = min(limit, cap // 4)
-    groups: list[list[int]] = []
-    held, block = 0, None
-    for slot in slots:
-        layout = layouts.get(slot)
-        nbytes = layout.gathered_numel * layout.compute_dtype.itemsize if layout is not None else 0
-        name_block = block_of(ctx, slot)
-        joins = (groups and layout is not None and limit > 0 and name_block == block
-                 and held + nbytes <= limit and slot not in groups[-1]
-                 and all(can_share_unit(layouts[other], layout) for other in groups[-1][:1]))
-        if joins:
-            groups[-1].append(slot)
-            held += nbytes
-        else:
-            groups.append([slot])
-            held = nbytes
-        block = name_block if layout is not None and _bucketable(layout) else None
-    return groups
+    blocks = [block_of(ctx, slot) if layout is not None and _bucketable(layout) else None
+              for slot, layout in zip(slots, layouts)]
+    return [[slots[index] for index in run] for run in bucket_runs(layouts, [limit] * len(slots), blocks)]
 
 
 def _bucketable(layout) -> bool:
