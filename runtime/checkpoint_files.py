@@ -191,8 +191,14 @@ def read_json_checked(folder: str, name: str, crc: int | None, what: str, where:
                                   f"is corrupt") from None
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
+    """A non-negative integer (not a bool): a size, offset or rank in an untrusted file's JSON."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_crc(value) -> bool:
+    """A CRC32 value in an untrusted file's JSON."""
+    return is_count(value) and value < 1 << 32
 
 
 def check_data_description(described, where: str) -> None:
@@ -202,11 +208,11 @@ def check_data_description(described, where: str) -> None:
         raise ZinfCheckpointError(f"{where}: the data file's description is {type(described).__name__}, not an "
                                   f"object: {damaged}")
     for key in ("bytes", "block_bytes"):
-        if not _is_count(described.get(key)) or (key == "block_bytes" and described[key] == 0):
+        if not is_count(described.get(key)) or (key == "block_bytes" and described[key] == 0):
             raise ZinfCheckpointError(f"{where}: data.{key} is {described.get(key, 'missing')!r}, not a "
                                       f"{'positive' if key == 'block_bytes' else 'non-negative'} integer: {damaged}")
     crcs = described.get("crc32")
-    if not isinstance(crcs, list) or not all(_is_count(crc) and crc < 1 << 32 for crc in crcs):
+    if not isinstance(crcs, list) or not all(is_crc(crc) for crc in crcs):
         raise ZinfCheckpointError(f"{where}: data.crc32 is not a list of CRC32 values: {damaged}")
     blocks = -(-described["bytes"] // described["block_bytes"])
     if len(crcs) != blocks:
@@ -470,7 +476,7 @@ def open_safetensors(path: str) -> dict[str, SafetensorsTensor]:
         try:
             dtype_name, (begin, end), shape = entry["dtype"], entry["data_offsets"], tuple(entry["shape"])
             dtype = DTYPES_BY_SAFETENSORS.get(dtype_name)
-            if not all(_is_count(n) for n in (begin, end, *shape)):
+            if not all(is_count(n) for n in (begin, end, *shape)):
                 raise TypeError("offsets and shape must be non-negative integers")
         except (KeyError, TypeError, ValueError) as err:
             raise ZinfCheckpointError(f"{path}: the header entry of tensor {name} is malformed ({err!r}): the file "

@@ -48,7 +48,8 @@ import weakref
 
 import torch
 
-from .nvme_adam import STATE_NAMES, SubGroup, adam_kernel, state_key, sub_groups, wait_all
+from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
+                        sub_groups, take_buffers, wait_all)
 from .pinned import PinnedPool
 from .records import POOL_WAIT_SECONDS
 
@@ -144,8 +145,7 @@ class EarlyAdam:
         ``owned``: ``grad`` is a copy made for this step, counted as transient CPU memory until used.
         """
         steps = self.nvme_adam.steps.get(record.uid, 0)
-        groups = [SubGroup(record, index, start, stop)
-                  for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
+        groups = sub_group_plan(record)
         if owned:
             self._count(record.ledger, grad.numel() * 4, f"early step of {record.name}")
         self.jobs[record.uid] = _Job(record, grad, owned, hyperparameters(self.groups_by_uid[record.uid]),
@@ -246,27 +246,12 @@ class EarlyAdam:
             self._compute(job, group)
 
     def _start_reads(self, job: _Job, group: SubGroup, wait: bool) -> bool:
-        nbytes = group.numel * 4
-        pool = self._pool()
-        for name in STATE_NAMES:
-            try:
-                group.buffers[name] = pool.acquire(nbytes, timeout=POOL_WAIT_SECONDS if wait else 0)
-            except TimeoutError:
-                if wait:
-                    raise
-                for buffer in group.buffers.values():
-                    buffer.release()
-                group.buffers = {}
-                return False
-        record = job.record
+        """nvme_adam's first stage, in the background; False when the pool has no room now (``wait`` False)."""
+        if not take_buffers(group, self._pool(), STATE_NAMES, POOL_WAIT_SECONDS if wait else 0):
+            return False
         try:
-            for name in STATE_NAMES:
-                if name != "master" and job.step_count == 1:
-                    group.buffers[name].tensor(torch.float32, group.numel).zero_()
-                else:
-                    key = state_key(name, record.uid, group.index)
-                    group.requests.append(record.swap.read(key, group.buffers[name], nbytes, background=True))
-        except BaseException as err:
+            start_reads(group, STATE_NAMES, job.step_count == 1, background=True)
+        except BaseException as err:  # a read that could not start: the job is void, its buffers settle
             job.error = job.error or err
         return True
 
@@ -279,20 +264,13 @@ class EarlyAdam:
             job.error = job.error or err
             self._settle(job, group)
             return
-        master, exp_avg, exp_avg_sq = (group.buffers[name].tensor(torch.float32, group.numel)
-                                       for name in STATE_NAMES)
         lr, beta1, beta2, eps, weight_decay = job.hyper
-        adam_kernel(self.nvme_adam.decoupled, master, job.grad[group.start : group.stop], exp_avg, exp_avg_sq,
-                    job.step_count, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        group.requests = []
+        master = step_group(self.nvme_adam.decoupled, group, job.grad[group.start : group.stop], job.step_count,
+                            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         if group.stop == record.local_numel:
             self._release_grad(job)  # the last group: the gradient is used up
         try:
-            for name in STATE_NAMES:
-                key = state_key(name, record.uid, group.index)
-                job.keys.append(key)
-                group.requests.append(record.swap.write(key, group.buffers[name], group.numel * 4, hold=True,
-                                                        background=True))
+            start_writes(group, job.keys, hold=True, background=True)
             if not record.params_in_master:
                 self._stage_param(job, group, master)
         except BaseException as err:
@@ -314,9 +292,7 @@ class EarlyAdam:
         record = job.record
         if job.param_staging is None:  # finish(): nothing else holds the pool now (see _staging_ready)
             job.param_staging = self._pool().acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
-        staged = job.param_staging.tensor(record.compute_dtype, record.local_numel)
-        staged[group.start : group.stop].copy_(master)
-        if group.stop == record.local_numel:
+        if stage_param(job.param_staging, group, master):
             job.keys.extend(key for key, _, _ in record.swap_layout())
             job.param_requests = self.nvme_adam.store.write_param(record, job.param_staging, hold=True)
 

@@ -71,6 +71,75 @@ class SubGroup:
         return not all(request.done() for request in self.requests)
 
 
+# The stages of a sub-group's step, shared by the step after backward (NvmeAdam.step) and the one
+# during backward (runtime/early_adam.py): read its state, step it, write it, stage the parameter.
+
+
+def sub_group_plan(record) -> list[SubGroup]:
+    """The sub-groups of ``record``'s state, in order."""
+    return [SubGroup(record, index, start, stop) for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
+
+
+def take_buffers(group: SubGroup, pool, names, timeout: float) -> bool:
+    """Take a pinned buffer of ``pool`` for each state in ``names``.
+
+    Returns False, holding nothing, when ``timeout`` is 0 and the pool has
+    no room now; a longer wait that times out raises.
+    """
+    for name in names:
+        try:
+            group.buffers[name] = pool.acquire(group.numel * 4, timeout=timeout)
+        except TimeoutError:
+            if timeout:
+                raise
+            for buffer in group.buffers.values():
+                buffer.release()
+            group.buffers = {}
+            return False
+    return True
+
+
+def start_reads(group: SubGroup, names, first_step: bool, background: bool = False) -> None:
+    """Start reading each state in ``names`` from its swap key into the group's buffers (the moments are
+    zeros instead at a parameter's first step)."""
+    for name in names:
+        if name in ("exp_avg", "exp_avg_sq") and first_step:
+            group.buffers[name].tensor(torch.float32, group.numel).zero_()
+        else:
+            key = state_key(name, group.record.uid, group.index)
+            group.requests.append(group.record.swap.read(key, group.buffers[name], group.numel * 4,
+                                                         background=background))
+
+
+def step_group(decoupled: bool, group: SubGroup, grad: torch.Tensor, step_count: int, *, lr, beta1, beta2, eps,
+               weight_decay) -> torch.Tensor:
+    """Step a sub-group whose reads are done, in its buffers; returns its updated master."""
+    master, exp_avg, exp_avg_sq = (group.buffers[name].tensor(torch.float32, group.numel) for name in STATE_NAMES)
+    adam_kernel(decoupled, master, grad, exp_avg, exp_avg_sq, step_count, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay)
+    group.requests = []  # the reads are done; from here the group's writes
+    return master
+
+
+def start_writes(group: SubGroup, keys: list | None = None, hold: bool = False, background: bool = False) -> None:
+    """Start writing a stepped sub-group's state to its swap keys (each key added to ``keys`` first)."""
+    record = group.record
+    for name in STATE_NAMES:
+        key = state_key(name, record.uid, group.index)
+        if keys is not None:
+            keys.append(key)
+        group.requests.append(record.swap.write(key, group.buffers[name], group.numel * 4, hold=hold,
+                                                background=background))
+
+
+def stage_param(staging, group: SubGroup, master: torch.Tensor) -> bool:
+    """Copy a stepped sub-group's master into ``staging`` (the whole shard in compute dtype, a PinnedBuffer);
+    whether the shard is now complete (its last sub-group)."""
+    record = group.record
+    staging.tensor(record.compute_dtype, record.local_numel)[group.start : group.stop].copy_(master)
+    return group.stop == record.local_numel
+
+
 class NvmeAdam:
     """The streamed step for the nvme-tier parameters of one optimizer."""
 
@@ -83,17 +152,10 @@ class NvmeAdam:
         self.store_wait_seconds = 120.0
 
     def _start_reads(self, group: SubGroup, first_step: bool) -> None:
-        nbytes = group.numel * 4
-        pool, engine = self.store.pinned_pool(4 * nbytes), group.record.swap
-        for name in STATE_NAMES + ("grad",):
-            if name == "grad" and group.record.grad_in_ram:
-                continue  # read in place from the gradient shard in memory
-            group.buffers[name] = pool.acquire(nbytes, timeout=self.store_wait_seconds)
-            if name in ("exp_avg", "exp_avg_sq") and first_step:
-                group.buffers[name].tensor(torch.float32, group.numel).zero_()
-            else:
-                key = state_key(name, group.record.uid, group.index)
-                group.requests.append(engine.read(key, group.buffers[name], nbytes))
+        # The gradient too, unless it is read in place from the gradient shard in memory.
+        names = STATE_NAMES + (() if group.record.grad_in_ram else ("grad",))
+        take_buffers(group, self.store.pinned_pool(4 * group.numel * 4), names, self.store_wait_seconds)
+        start_reads(group, names, first_step)
 
     def step(self, slots: list, hyper_by_slot: list[dict]) -> None:
         """Update every slot (record with its gradient shard) with its param group's hyperparameters.
@@ -110,8 +172,7 @@ class NvmeAdam:
             record = slot.record
             if not record.owns_state or not record.has_grad:
                 continue
-            for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-                plan.append((SubGroup(record, index, start, stop), hyper))
+            plan.extend((group, hyper) for group in sub_group_plan(record))
         self._shards_updated = []
         if not plan:
             return
@@ -130,8 +191,6 @@ class NvmeAdam:
                     self._start_reads(upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
                 for request in group.requests:
                     request.wait()
-                master, exp_avg, exp_avg_sq = (group.buffers[name].tensor(torch.float32, group.numel)
-                                               for name in STATE_NAMES)
                 if record.grad_in_ram:
                     grad = record.grad_shard[group.start : group.stop]
                 else:
@@ -140,13 +199,10 @@ class NvmeAdam:
                     grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
                 step_count = self.steps.get(record.uid, 0) + 1
                 beta1, beta2 = hyper["betas"]
-                adam_kernel(self.decoupled, master, grad, exp_avg, exp_avg_sq, step_count, lr=float(hyper["lr"]),
-                            beta1=beta1, beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"])
-                group.requests = []  # the reads are done; from here the group's writes
+                master = step_group(self.decoupled, group, grad, step_count, lr=float(hyper["lr"]), beta1=beta1,
+                                    beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"])
                 overwriting = True
-                for name in STATE_NAMES:
-                    key = state_key(name, record.uid, group.index)
-                    group.requests.append(record.swap.write(key, group.buffers[name], group.numel * 4))
+                start_writes(group)
                 self._publish_group(record, group, master, param_staging)
                 # Drain the previous groups' writes before their buffers go back to the pool.
                 while held[0] is not group:
@@ -199,9 +255,7 @@ class NvmeAdam:
         if record.uid not in param_staging:
             param_staging[record.uid] = self.store.pinned_pool(record.shard_bytes).acquire(
                 record.shard_bytes, timeout=self.store_wait_seconds)
-        staged = param_staging[record.uid].tensor(record.compute_dtype, record.local_numel)
-        staged[group.start : group.stop].copy_(master)
-        if group.stop == record.local_numel:
+        if stage_param(param_staging[record.uid], group, master):
             buffer = param_staging.pop(record.uid)
             try:
                 wait_all(self.store.write_param(record, buffer), raise_errors=True)

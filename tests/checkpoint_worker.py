@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compiler as zinf
-import zinf_compiler.checkpoint as checkpoint
+import zinf_compiler.checkpoint.saving as checkpoint_saving
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from multirank import finish_rank, start_rank
 
@@ -64,7 +64,7 @@ def main() -> None:
                 log.write(f"{step} {mean.item()!r}\n")
         if (step + 1) % args.get("save_every", 10**9) == 0:
             if kill == {"at": step, "where": "save"}:
-                write = checkpoint.write_json_atomic
+                write = checkpoint_saving.write_json_atomic
 
                 def write_then_die(path, obj):
                     crc = write(path, obj)
@@ -72,7 +72,7 @@ def main() -> None:
                         os.kill(os.getpid(), signal.SIGKILL)  # data and manifest on disk, nothing committed
                     return crc
 
-                checkpoint.write_json_atomic = write_then_die
+                checkpoint_saving.write_json_atomic = write_then_die
             zinf.save(os.path.join(args["root"], f"step-{step:04d}"), compiled, opt, extra={"step": step})
     state = zinf.full_state_dict(compiled)
     if rank == 0:

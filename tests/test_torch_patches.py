@@ -14,7 +14,8 @@ import textwrap
 import torch
 
 import zinf_compiler as zinf
-from zinf_compiler import optim, torch_patches
+from zinf_compiler import torch_patches
+from zinf_compiler.api import RUNTIME
 
 
 def _torch_state() -> dict:
@@ -51,12 +52,12 @@ def test_install_is_idempotent_and_uninstall_restores_torch():
     torch_patches.uninstall()
     pristine = _torch_state()
     try:
-        torch_patches.install()
+        torch_patches.install(RUNTIME.store, RUNTIME.optimizers)
         patched = _torch_state()
-        assert patched["zero_grad"] is optim.module_zero_grad_with_shards
-        assert patched["clip body"] is optim.clip_grad_norm_
+        assert patched["zero_grad"] is torch_patches.module_zero_grad_with_shards
+        assert patched["clip body"] is torch_patches.clip_grad_norm_
         assert patched["step hooks"] == pristine["step hooks"] + 1
-        torch_patches.install()
+        torch_patches.install(RUNTIME.store, RUNTIME.optimizers)
         assert _torch_state() == patched  # a second install changes nothing
         torch_patches.uninstall()
         assert _torch_state() == pristine
@@ -64,7 +65,7 @@ def test_install_is_idempotent_and_uninstall_restores_torch():
         assert _torch_state() == pristine
     finally:
         if was_installed:
-            torch_patches.install()
+            torch_patches.install(RUNTIME.store, RUNTIME.optimizers)
 
 
 def test_a_compile_installs_the_guards_and_they_work_after_a_reinstall():
@@ -77,6 +78,6 @@ def test_a_compile_installs_the_guards_and_they_work_after_a_reinstall():
     # The guard hands torch's clipping to the zinf optimizer (before: 0, nothing clipped).
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > 0
     torch_patches.uninstall()
-    torch_patches.install()
+    torch_patches.install(RUNTIME.store, RUNTIME.optimizers)
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > 0
     opt.step()

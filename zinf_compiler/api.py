@@ -1,4 +1,9 @@
-"""Helpers on a model trained with zinf: gathered state, memory accounting."""
+"""Helpers on a model trained with zinf: gathered state, memory accounting, and the model's store.
+
+Part of the entry layer (with backend.py and optim.py): the one place below
+which nothing reaches the process's runtime.  Other modules are handed its
+parts, or find a model's store through :func:`store_of`.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,30 @@ import contextlib
 
 import torch
 
-from zinf_compiler.optim import live_optimizers
 from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.runtime.store import ParamStore
 
 from zinf_compiler.runtime.tiers import TIERS
 
 KINDS = ("params", "grads", "optimizer", "activations")
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Accept the module or its ``torch.compile`` wrapper."""
     return getattr(model, "_orig_mod", model)
 
 
+def store_of(model: torch.nn.Module) -> ParamStore:
+    """The parameter store that holds ``model``'s shards: how code below the entry layer (checkpoint) reaches it.
+
+    Today one store holds every model of the process; the lookup is per model
+    so that callers need not change when each model gets its own.
+    """
+    return RUNTIME.store
+
+
 def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return list(_unwrap(model).parameters())  # parameters() already drops tied duplicates
+    return list(unwrap(model).parameters())  # parameters() already drops tied duplicates
 
 
 @torch.no_grad()
@@ -32,7 +46,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     full_by_id: dict[int, torch.Tensor] = {}
     state = {}
-    for name, value in _unwrap(model).state_dict(keep_vars=True).items():
+    for name, value in unwrap(model).state_dict(keep_vars=True).items():
         if id(value) not in full_by_id:
             record = RUNTIME.store.lookup(value)
             full_by_id[id(value)] = RUNTIME.store.full_param(record) if record is not None else value.detach().clone()
@@ -112,7 +126,7 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
                 and not record.params_in_master):  # (then the master's files are the params counted above)
             report["nvme"]["optimizer"] += record.local_numel * 4  # the fp32 master's swap files
     ids = {id(p) for p in params}
-    for opt in live_optimizers():
+    for opt in list(RUNTIME.optimizers):
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
     ledger = RUNTIME.store.group(params)

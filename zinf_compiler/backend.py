@@ -62,7 +62,9 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
         log.warning("zinf: stage %d sets torch._dynamo.config.fail_on_recompile_limit_hit = True (an eager "
                     "fallback would not train sharded parameters); mark varying input sizes dynamic "
                     "(torch._dynamo.mark_dynamic or dynamic=True) to avoid recompiles", parsed.stage)
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        from . import torch_patches
+
+        torch_patches.set_dynamo_config("fail_on_recompile_limit_hit", True)  # (undone by torch_patches.uninstall)
     return compile_captured(gm, example_inputs, parsed)
 
 
@@ -85,7 +87,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     if options.stage > 0:
         from . import torch_patches
 
-        torch_patches.install()  # clipping, model.zero_grad() and torch optimizers must see the shards
+        torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # clipping, model.zero_grad() and torch optimizers must see the shards
         _check_materialized(captured)
         plan_offload(RUNTIME.store, list(captured.param_tensors.values()), options)
         from zinf_compiler.passes import tile as tile_pass

@@ -70,7 +70,7 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
     """
     from . import torch_patches
 
-    torch_patches.install()  # sharded parameters exist from here on (see torch_patches)
+    torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # sharded parameters exist from here on (see torch_patches)
     parsed = parse_options(options)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

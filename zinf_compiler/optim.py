@@ -12,15 +12,22 @@ tensors, with ``fused=True`` where torch supports it.
 
 ``state_dict()`` holds this rank's optimizer state for its shards (like ZeRO's
 per-rank optimizer checkpoints); load it into the same world size.
+:meth:`ZinfOptimizer.save_state` / :meth:`~ZinfOptimizer.load_state` give
+and take the state slot by slot, wherever it rests (memory or NVMe swap
+files): ``zinf.save`` / ``zinf.load`` use them, and never read a swap key.
+
+This module is part of the entry layer (with api.py and backend.py): its
+constructor takes the runtime's parts it needs (the store, the tracer) from
+``RUNTIME``; the rest of the optimizer is in optim_state.py (slots, where
+their state rests) and optim_step.py (the parts of a step); the guards that
+route torch's clipping and ``zero_grad`` to it are in torch_patches.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -29,48 +36,14 @@ from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import ParamRecord
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
-# With parameters on NVMe, masters are stepped and written back this many bytes at a time.
-PUBLISH_CHUNK_BYTES = 32 << 20
+from . import torch_patches
+from .optim_state import NVME_MOMENTS, Slot, StreamedState, count_state_bytes, read_moment, unaccount_state, write_moment
+from .optim_step import (average_uncaptured_grads, clip_grad_norm, host_memory_bounded, invalidate_unwritten,
+                         make_inner, params_not_written, publish_unwritten, step_and_publish, step_nvme)
 
-
-def _host_memory_bounded(records) -> bool:
-    """Whether the step's end should give freed host memory back to the OS (``malloc_trim``).
-
-    Yes where host memory holds less than the model (a tier on NVMe) or is a
-    staging area beside an accelerator's (cpu tiers off a CPU device).  Not
-    where the compute device is the CPU and nothing rests on NVMe: the pages
-    freed by a step are the next step's gathers and gradients, and trimming
-    them costs a page fault per page again every step, for a peak that stays
-    the same (benchmarks/RESULTS.md, session 17: with the inline gather copy
-    of runtime/copy_engine.py, the cpu tier's GPT step at world size 1 went
-    from 0.550 s to 0.402 s, equal to the step without offload).
-    """
-    return any(r.param_tier == "nvme" or r.opt_tier == "nvme"
-               or (r.device.type != "cpu" and (r.param_tier != "device" or r.opt_tier != "device"))
-               for r in records)
-
-
-@dataclasses.dataclass(eq=False)
-class Slot:
-    """One parameter as the optimizer steps it: the user's parameter, the store's record and the tensor stepped."""
-
-    param: torch.nn.Parameter  # what the user passed
-    record: ParamRecord | None  # the store's record; None for a parameter zinf did not shard
-    master: torch.Tensor | None  # what the inner optimizer steps; None when the state rests on NVMe
-
-    @property
-    def state_on_nvme(self) -> bool:
-        """Whether this slot's master and moments rest in NVMe swap files (stepped by NvmeAdam, not in memory)."""
-        return self.master is None
-
-    @property
-    def grad(self) -> torch.Tensor | None:
-        """The gradient the step reads: ``param.grad`` unsharded, else this rank's gradient shard (None: not its own)."""
-        if self.record is None or self.record.stage == 0:
-            return self.param.grad
-        return self.record.grad_shard if self.record.owns_state else None
+__all__ = ["AdamW", "Adam", "SGD", "ZinfOptimizer", "Slot", "StreamedState"]
 
 
 class ZinfOptimizer(torch.optim.Optimizer):
@@ -83,9 +56,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
     inner_class: type[torch.optim.Optimizer]
 
     def __init__(self, params: Iterable, **defaults: Any):
-        from . import torch_patches
-
-        torch_patches.install()  # clipping, zero_grad and foreign optimizers see zinf's shards
+        # The runtime's parts it uses (the entry layer hands them on: see zinf_compiler/api.py).
+        self._store, self._tracer = RUNTIME.store, RUNTIME.tracer
+        # Clipping, zero_grad and foreign optimizers see zinf's shards.
+        torch_patches.install(RUNTIME.store, RUNTIME.optimizers)
         super().__init__(params, defaults)
         meta = [p for group in self.param_groups for p in group["params"] if p.is_meta]
         if meta:
@@ -100,54 +74,54 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._nvme_slots: list[tuple[Slot, int]] = []  # (slot, param group index): state in swap files
         self._nvme: NvmeAdam | None = None
         self._pending_state: dict | None = None  # loaded before any parameter was sharded (see load_state_dict)
-        # zinf.load's checkpoint (and parameter names): applied when the optimizer binds, and
+        # zinf.load's saved state (see attach_state): applied when the optimizer binds, and
         # again if it binds anew before its first step (parameters adopted after the load).
-        self._checkpoint = None
-        self._checkpoint_applied = False
+        self._saved_state = None
+        self._saved_state_applied = False
         self._state_bytes = {"device": 0, "cpu": 0}
         # clip_grad_norm_ scaled this step's gradients: no step taken during backward counts.
         self._clipped = False
         # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
-        self._ledger = RUNTIME.store.group(p for group in self.param_groups for p in group["params"])
+        self._ledger = self._store.group(p for group in self.param_groups for p in group["params"])
         RUNTIME.optimizers.add(self)
         # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
-        weakref.finalize(self, _unaccount_state, self._state_bytes, self._ledger)
+        weakref.finalize(self, unaccount_state, self._store, self._state_bytes, self._ledger)
 
     # --- binding to the store ----------------------------------------------------
 
     def bind(self) -> None:
-        """Bind to the store's shards now (done by the first step); a checkpoint given by ``zinf.load`` is applied."""
+        """Bind to the store's shards now (done by the first step); a state given by ``zinf.load`` is applied."""
         self._bind_slots()
-        if self._checkpoint is not None and not self._checkpoint_applied:
-            from zinf_compiler.checkpoint import apply_optimizer_state
+        if self._saved_state is not None and not self._saved_state_applied:
+            self._saved_state.apply(self)
+            self._saved_state_applied = True
 
-            apply_optimizer_state(self, *self._checkpoint)
-            self._checkpoint_applied = True
+    def attach_state(self, saved) -> None:
+        """``zinf.load``: take a saved state at the next bind (kept until the first step).
 
-    def attach_checkpoint(self, checkpoint, names: dict[int, str]) -> None:
-        """``zinf.load``: take ``checkpoint``'s state at the next bind (kept until the first step).
-
-        ``names``: each parameter's name in the checkpoint, by ``id(param)``.
+        ``saved`` has ``apply(optimizer)``, called on the bound optimizer (it
+        calls :meth:`load_state`), and ``close()``, called once the binding is
+        final (the first step) or another state replaces it.
         """
-        if self._checkpoint is not None:
-            self._checkpoint[0].close()
-        self._checkpoint = (checkpoint, names)
-        self._checkpoint_applied = False
+        if self._saved_state is not None:
+            self._saved_state.close()
+        self._saved_state = saved
+        self._saved_state_applied = False
         self._pending_state = None
 
-    def _drop_checkpoint(self) -> None:
-        if self._checkpoint is not None:
-            self._checkpoint[0].close()
-            self._checkpoint = None
+    def _drop_saved_state(self) -> None:
+        if self._saved_state is not None:
+            self._saved_state.close()
+            self._saved_state = None
 
     def _bind_slots(self) -> None:
         if self._inner is not None:
-            stale = any(slot.record is None and RUNTIME.store.lookup(slot.param) is not None
+            stale = any(slot.record is None and self._store.lookup(slot.param) is not None
                         for group_slots in self._slots for slot in group_slots)
             if not stale:
                 return
             stepped = self._inner.state or self._nvme is not None and self._nvme.steps
-            if stepped and self._checkpoint is None:
+            if stepped and self._saved_state is None:
                 raise RuntimeError(
                     "zinf optimizer stepped before the model's first compiled forward: parameters "
                     "were adopted afterwards; run a forward/backward before the first opt.step()"
@@ -155,12 +129,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
             # Bound early (state_dict() before any forward) with nothing stepped yet: bind again
             # (a loaded checkpoint is applied again, to the new binding).
             self._inner, self._slots, self._nvme_slots, self._nvme = None, [], [], None
-            self._checkpoint_applied = False
+            self._saved_state_applied = False
         inner_groups = []
         for group_index, group in enumerate(self.param_groups):
             group_slots = []
             for param in group["params"]:
-                record = RUNTIME.store.lookup(param)
+                record = self._store.lookup(param)
                 if record is not None and record.stage > 0 and record.opt_tier == "nvme":
                     if self.inner_class not in (torch.optim.Adam, torch.optim.AdamW):
                         raise ValueError(
@@ -182,9 +156,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 "zinf optimizer over parameters sharded over different ranks (models compiled with different "
                 f"mesh options: {', '.join(mesh.describe() for mesh in meshes.values())}); its gradient norm and "
                 "fp16 overflow checks span one group of ranks: use one optimizer per mesh")
-        self._inner = self._make_inner(inner_groups)
+        self._inner = make_inner(self.inner_class, self.defaults, inner_groups)
         if self._nvme_slots:
-            self._nvme = NvmeAdam(RUNTIME.store, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
+            self._nvme = NvmeAdam(self._store, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
             early = [(slot.record, self.param_groups[group_index]) for slot, group_index in self._nvme_slots
                      if slot.record.step_in_backward]
             if early:
@@ -192,19 +166,6 @@ class ZinfOptimizer(torch.optim.Optimizer):
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self._load_inner(pending)
-
-    def _make_inner(self, inner_groups: list[dict]) -> torch.optim.Optimizer:
-        kwargs = {}
-        if not any(key in self.defaults for key in ("fused", "foreach")):
-            kwargs["fused"] = True
-        try:
-            inner = self.inner_class(inner_groups, **kwargs)
-        except (RuntimeError, ValueError, TypeError):
-            if not kwargs:
-                raise
-            inner = self.inner_class(inner_groups)  # fused unsupported for these tensors
-        inner._zinf_inner = True  # steps zinf's masters: not refused by refuse_foreign_optimizers
-        return inner
 
     def slots(self) -> list[Slot]:
         """Every slot, the nvme-tier ones included (empty until bound)."""
@@ -220,47 +181,17 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _mesh(self):
         """The ranks this optimizer's parameters are sharded over (one mesh: see _bind_slots)."""
         records = self._records()
-        return records[0].mesh if records else RUNTIME.store.comm.mesh()
+        return records[0].mesh if records else self._store.comm.mesh()
+
+    def _collective_timeout(self):
+        """This optimizer's model's collective timeout (None: the communicator's)."""
+        records = self._records()
+        return records[0].ledger.collective_timeout if records else None
 
     def _reduce_full_grads(self) -> None:
         """Average the gradients no graph averaged: stage 1's, and those of parameters no graph used."""
-        RUNTIME.store.reduce_full_grads([r for r in self._records() if r.stage == 1])
-        self._average_uncaptured_grads()
-
-    def _average_uncaptured_grads(self) -> None:
-        """Average over ranks the gradients of parameters that no compiled graph used, as DDP would.
-
-        A parameter zinf never sharded ran only in eager code (Dynamo runs the
-        rest of a loop, and what follows it, eagerly after a graph break inside
-        the loop), so no graph averaged its gradient: each rank holds its own.
-        A rank without a gradient for one counts as zero, and it gets the
-        average too (DDP with ``find_unused_parameters``); a parameter no rank
-        has a gradient for keeps None.  Taken again at ``step()`` after
-        ``clip_grad_norm_``: averaging equal gradients leaves them as they are,
-        and every rank takes part in the same collectives whatever its
-        gradients did in between.
-        """
-        everyone = self._mesh().everyone
-        if everyone.world_size == 1:
-            return
-        params = [slot.param for slot in self._memory_slots() if slot.record is None and slot.param.requires_grad]
-        if not params:
-            return
-        device = params[0].device
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
-        # One all-reduce: every gradient (zeros where a rank has none), then a has-gradient flag per parameter.
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, dtype)
-                          for p in params]
-                         + [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)])
-        records = self._records()
-        everyone.all_reduce_avg(flat, "all_reduce of the gradients of parameters no graph used",
-                                records[0].ledger.collective_timeout if records else None).wait()
-        offset, present = 0, flat[-len(params):].tolist()
-        for param, on_some_rank in zip(params, present):
-            numel = param.numel()
-            averaged = flat[offset : offset + numel].view_as(param).to(param.device, param.dtype)
-            param.grad = averaged if on_some_rank else None
-            offset += numel
+        self._store.reduce_full_grads([r for r in self._records() if r.stage == 1])
+        average_uncaptured_grads(self._memory_slots(), self._mesh(), self._collective_timeout())
 
     # --- the torch.optim.Optimizer interface -------------------------------------
 
@@ -290,40 +221,27 @@ class ZinfOptimizer(torch.optim.Optimizer):
           ``step()`` again: it writes them from the masters and does not
           step again.
         """
-        RUNTIME.tracer.mark("optimizer step")
+        self._tracer.mark("optimizer step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.bind()
-        self._drop_checkpoint()  # bound at a step: the binding is final, the loaded state is in it
-
-        def params_not_written(err: Exception) -> AioError:
-            return AioError(
-                f"opt.step() was applied to the optimizer state in memory, but writing the updated parameters to "
-                f"their NVMe swap files failed, so those parameters cannot be read until they are written: {err} "
-                f"Free space under nvme_path (or point nvme_path at a bigger disk), then call opt.step() again: it "
-                f"writes the parameters from the updated masters and does not step again.")
+        self._drop_saved_state()  # bound at a step: the binding is final, the loaded state is in it
 
         if self._params_unwritten:
             # The last step was applied; only its parameters are missing on disk.
-            unwritten = self._params_unwritten
             try:
-                with _swap_transaction(slot.record for slot in unwritten):
-                    try:
-                        for slot in unwritten:
-                            RUNTIME.store.publish(slot.record, slot.master)
-                    finally:
-                        RUNTIME.store.finish_publish()
+                publish_unwritten(self._store, self._params_unwritten)
             except AioError as err:
                 raise params_not_written(err) from err
             self._params_unwritten = ()
-            RUNTIME.store.refresh_full_params(self._records())
+            self._store.refresh_full_params(self._records())
             self._account_state()
             trim()
-            RUNTIME.tracer.step_done()
+            self._tracer.step_done()
             return loss
-        RUNTIME.store.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
+        self._store.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
         self._reduce_full_grads()
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
@@ -332,91 +250,35 @@ class ZinfOptimizer(torch.optim.Optimizer):
             ledger = fp16_records[0].ledger
             if ledger.fp16_scaler.should_skip_step(self._mesh().everyone, fp16_records[0].device, ledger.collective_timeout):
                 # An fp16 gradient overflowed on some rank: no update this step.
-                RUNTIME.store.drop_grads(self._records())
-                RUNTIME.tracer.step_done()
+                self._store.drop_grads(self._records())
+                self._tracer.step_done()
                 return loss
         for slot in self._memory_slots():
             if slot.master is not slot.param:
                 slot.master.grad = slot.grad
         self._sync_hyperparameters()
         if self._nvme is not None:
-            # First the state on disk, as one transaction: an I/O error here
-            # leaves every swap file at the last good step (nvme_copies=2), the
-            # inner optimizer's state has not been touched yet, and the shards
-            # it updated in memory are put back below.
-            steps_before = dict(self._nvme.steps)
-            try:
-                with _swap_transaction(slot.record for slot, _ in self._nvme_slots):
-                    # The steps taken during backward that count commit with this transaction.
-                    early = self._nvme.early.commit(self._clipped) if self._nvme.early is not None else set()
-                    late = [(slot, group_index) for slot, group_index in self._nvme_slots
-                            if slot.record.uid not in early]
-                    self._nvme.step([slot for slot, _ in late],
-                                    [self.param_groups[group_index] for _, group_index in late])
-            except Exception as err:
-                self._nvme.steps = steps_before
-                try:
-                    self._nvme.restore_memory_shards()
-                except AioError as restore_err:  # nvme_copies=1: the previous masters may be lost too
-                    err.add_note(f"The parameters kept in memory could not be put back to the previous step, "
-                                 f"so the model's state is unusable: {restore_err}")
-                raise
+            # First the state on disk, as one transaction: on an I/O error the
+            # inner optimizer's state has not been touched yet.
+            step_nvme(self._nvme, self._nvme_slots, self.param_groups, self._clipped)
         try:
-            self._step_and_publish()
+            step_and_publish(self._store, self._inner, self._memory_slots())
         except AioError as err:
             # The in-memory step is complete (failed writes inside the transaction
             # only surface at its end); the parameters on disk are the previous
             # step's: make them unreadable until the next step() writes them.
-            unwritten = tuple(slot for slot in self._memory_slots() if slot.record is not None
-                              and slot.record.stage > 0 and slot.record.param_tier == "nvme"
-                              and slot.record.owns_state)
+            unwritten = invalidate_unwritten(self._memory_slots())
             if not unwritten:
                 raise
-            reason = ("opt.step() updated it in memory but could not write it (see the error that step raised); "
-                      "call opt.step() again once nvme_path has space: it writes the parameters, without stepping")
-            for slot in unwritten:
-                for key, _, _ in slot.record.swap_layout():
-                    slot.record.swap.invalidate(key, reason)
             self._params_unwritten = unwritten
             raise params_not_written(err) from err
         self._clipped = False
-        RUNTIME.store.refresh_full_params(self._records())
+        self._store.refresh_full_params(self._records())
         self._account_state()
-        if _host_memory_bounded(self._records()):
+        if host_memory_bounded(self._records()):
             trim()  # hand this step's freed staging back: host memory is what offloading bounds
-        RUNTIME.tracer.step_done()
+        self._tracer.step_done()
         return loss
-
-    def _step_and_publish(self) -> None:
-        """Step the in-memory masters and write them back to their parameter tier.
-
-        With parameters on NVMe the inner optimizer steps ~PUBLISH_CHUNK_BYTES
-        of masters at a time, and each chunk's writes run while the next
-        chunk steps (state is per parameter, so stepping a subset is the same
-        arithmetic).  The writes form one transaction: all land or none.
-        """
-        slots = self._memory_slots()
-        if not any(slot.record is not None and slot.record.param_tier == "nvme" for slot in slots):
-            chunks = [slots]
-        else:
-            chunks, chunk, chunk_bytes = [], [], 0
-            for slot in slots:
-                chunk.append(slot)
-                chunk_bytes += slot.master.numel() * slot.master.element_size()
-                if chunk_bytes >= PUBLISH_CHUNK_BYTES:
-                    chunks.append(chunk)
-                    chunk, chunk_bytes = [], 0
-            chunks.append(chunk)
-        with _swap_transaction(slot.record for slot in slots if slot.record is not None):
-            try:
-                for chunk in chunks:
-                    with _stepping_only(self._inner, chunk if len(chunks) > 1 else None):
-                        self._inner.step()
-                    for slot in chunk:
-                        if slot.record is not None and slot.record.stage > 0:
-                            RUNTIME.store.publish(slot.record, slot.master)
-            finally:
-                RUNTIME.store.finish_publish()  # inside the transaction: its writes commit together
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` and every gradient shard zinf holds for these parameters (bound or not)."""
@@ -427,8 +289,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 slot.master.grad = None
         # Not through the slots: before the first step they are not bound yet,
         # and gradient shards from a backward must still go.
-        records = (RUNTIME.store.lookup(p) for group in self.param_groups for p in group["params"])
-        RUNTIME.store.drop_grads([r for r in records if r is not None])
+        records = (self._store.lookup(p) for group in self.param_groups for p in group["params"])
+        self._store.drop_grads([r for r in records if r is not None])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -441,38 +303,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self.bind()
         self._reduce_full_grads()
         device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
-        # float64 sums; on the parameters' device, where NCCL can reduce them.
-        sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
-        replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
-        grads = []
-        grads_on_disk = []
-        for slot in self.slots():
-            if slot.record is not None and slot.record.grad_on_disk:
-                # An nvme-tier gradient: its norm was taken as it was written.
-                grads_on_disk.append(slot.record)
-                sharded_sq += slot.record.grad_sq_norm
-                continue
-            grad = slot.grad
-            if grad is None:
-                continue
-            grads.append(grad)
-            squared = grad.detach().double().pow(2).sum().to(device)
-            if slot.record is not None and slot.record.stage > 0:
-                sharded_sq += squared  # each element lives on exactly one rank
-            else:
-                replicated_sq += squared  # every rank holds the same full gradient
-        records = self._records()
-        # Over the shard group: each element lives on one rank of it (HSDP replicas hold the same ones).
-        self._mesh().shard.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)",
-                                  records[0].ledger.collective_timeout if records else None)
-        total_norm = (sharded_sq + replicated_sq).sqrt().to(torch.float32)
-        clip_coef = float(max_norm) / (total_norm.item() + 1e-6)
-        if clip_coef < 1.0:
-            self._clipped = True
-            for grad in grads:
-                grad.mul_(clip_coef)
-            for record in grads_on_disk:
-                record.grad_multiplier *= clip_coef  # applied when the step reads the gradient
+        total_norm, clipped = clip_grad_norm(self.slots(), self._mesh(), device, max_norm, self._collective_timeout())
+        self._clipped = self._clipped or clipped
         return total_norm
 
     def state_dict(self) -> dict[str, Any]:
@@ -502,7 +334,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 f"optimizer state was saved at world size {saved['world_size']}, this run has "
                 f"{self._mesh().shard.world_size}; per-rank optimizer shards only load into the same world size"
             )
-        if self._inner is None and not any(RUNTIME.store.lookup(p) is not None
+        if self._inner is None and not any(self._store.lookup(p) is not None
                                            for group in self.param_groups for p in group["params"]):
             # Before the model's first compiled call nothing is sharded yet: the state
             # belongs to shards that do not exist.  Load it when the optimizer binds.
@@ -521,44 +353,67 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
 
-    # --- the state, for zinf_compiler.checkpoint (it reads and restores only through these) ----------
+    # --- the state, slot by slot (zinf.save and zinf.load read and restore it only through these) ----------
 
     @property
     def bound(self) -> bool:
         """Whether the optimizer has bound its parameters to the store's shards (see :meth:`bind`)."""
         return self._inner is not None
 
-    def memory_state(self, slot: Slot) -> dict[str, Any]:
-        """The state the in-memory optimizer holds for ``slot``'s master (``{}``: none yet, or on NVMe)."""
-        if self._inner is None or slot.state_on_nvme:
-            return {}
-        return self._inner.state.get(slot.master, {})
+    def save_state(self, slot: Slot) -> Iterator[tuple[str, Any]]:
+        """``slot``'s optimizer state on this rank, kind by kind: ``(kind, value)`` (nothing: none yet).
 
-    def nvme_steps(self, slot: Slot) -> int:
-        """Adam steps an NVMe-tier ``slot`` has taken (0: none); its moments are in its record's swap files."""
-        if self._nvme is None or not slot.state_on_nvme:
-            return 0
-        return self._nvme.steps.get(slot.record.uid, 0)
+        ``value`` is a scalar (a Python value or a 0-dim tensor, e.g.
+        ``step``), a tensor this rank holds in memory (laid out like the
+        slot's master: this rank's local shard of a sharded parameter), or a
+        :class:`StreamedState`: a moment of an NVMe-tier slot, streamed from
+        its swap files a sub-group at a time, never whole in memory.  The
+        master itself is the parameter's value: the store streams it from
+        wherever it rests (``ParamStore.local_value_chunks``).
+        """
+        if not slot.state_on_nvme:
+            if self._inner is not None:
+                yield from self._inner.state.get(slot.master, {}).items()
+            return
+        steps = self._nvme.steps.get(slot.record.uid, 0) if self._nvme is not None else 0
+        if not steps or not slot.record.owns_state:
+            return
+        yield "step", torch.tensor(float(steps), dtype=torch.float32)
+        for kind in NVME_MOMENTS:
+            yield kind, read_moment(self._store, slot.record, kind)
 
-    def restore_state(self, memory_states: dict[Slot, dict[str, Any]], nvme_steps: dict[Slot, int]) -> None:
-        """Replace the whole state of a bound optimizer.
+    @torch.no_grad()
+    def load_state(self, states: Iterable[tuple[Slot, Mapping[str, Any]]]) -> None:
+        """Replace the whole state of a bound optimizer with ``states``: ``(slot, state)`` pairs.
 
-        ``memory_states``: the in-memory state of each slot stepped in memory
-        (a slot left out starts fresh).  ``nvme_steps``: the step count of each
-        NVMe-tier slot whose moments the caller has written to its swap files
-        (left out, or 0: starts fresh).
+        A state maps each kind of :meth:`save_state` to a scalar or to this
+        rank's whole local tensor (in this run's layout); a slot left out, or
+        given an empty state, starts fresh.  ``states`` is consumed once, slot
+        by slot: an NVMe-tier slot's moments are looked up one at a time and
+        written to its swap files at once (the mapping may read each from disk
+        when looked up), so that no more than one of them is in memory.
         """
         if self._inner is None:
-            raise RuntimeError("restore_state() of an optimizer that is not bound yet: call bind() first")
+            raise RuntimeError("load_state() of an optimizer that is not bound yet: call bind() first")
+        memory_states, nvme_steps = {}, {}
+        for slot, state in states:
+            if not slot.state_on_nvme:
+                if state:
+                    memory_states[slot] = dict(state)
+                continue
+            steps = int(state["step"]) if "step" in state else 0
+            if steps and slot.record.owns_state:
+                for kind in NVME_MOMENTS:
+                    write_moment(self._store, slot.record, kind, state[kind])
+                nvme_steps[slot.record.uid] = steps
         inner_state = self._inner.state_dict()
         # The inner optimizer numbers its tensors in the order of its parameter groups: the memory slots'.
         inner_state["state"] = {index: memory_states[slot] for index, slot in enumerate(self._memory_slots())
-                                if memory_states.get(slot)}
+                                if slot in memory_states}
         self._inner.load_state_dict(inner_state)
         for slot, _ in self._nvme_slots:
-            steps = nvme_steps.get(slot, 0)
-            if steps:
-                self._nvme.steps[slot.record.uid] = steps
+            if slot.record.uid in nvme_steps:
+                self._nvme.steps[slot.record.uid] = nvme_steps[slot.record.uid]
             else:
                 self._nvme.steps.pop(slot.record.uid, None)
         self._account_state()
@@ -572,154 +427,14 @@ class ZinfOptimizer(torch.optim.Optimizer):
         the device or the CPU, and the moments in NVMe swap files.
         Separate fp32 masters are the store's (see ``memory_report``).
         """
-        per_tier = {"device": 0, "cpu": 0, "nvme": 0}
-        if self._inner is None:
-            return per_tier
-        for slot in self._memory_slots():
-            if params is not None and id(slot.param) not in params:
-                continue
-            tier = slot.record.opt_tier if slot.record is not None and slot.record.stage > 0 else "device"
-            for value in self._inner.state.get(slot.master, {}).values():
-                if isinstance(value, torch.Tensor):
-                    per_tier[tier] += value.numel() * value.element_size()
-        if self._nvme is not None:
-            records = [s.record for s, _ in self._nvme_slots if params is None or id(s.param) in params]
-            per_tier["nvme"] += self._nvme.state_bytes_on_disk(records)
-        return per_tier
+        return count_state_bytes(self._inner, self._memory_slots(), self._nvme,
+                                 [slot for slot, _ in self._nvme_slots], params)
 
     def _account_state(self) -> None:
         held = self.state_bytes()
         for tier in ("device", "cpu"):
-            RUNTIME.store.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier], ledger=self._ledger.root())
+            self._store.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier], ledger=self._ledger.root())
             self._state_bytes[tier] = held[tier]
-
-
-def _unaccount_state(state_bytes: dict[str, int], ledger) -> None:
-    for tier, nbytes in state_bytes.items():
-        RUNTIME.store.add_optimizer_bytes(tier, -nbytes, ledger=ledger.root())
-        state_bytes[tier] = 0
-
-
-@contextlib.contextmanager
-def _stepping_only(inner: torch.optim.Optimizer, slots: list[Slot] | None):
-    """Within the block, ``inner.step()`` updates only these slots' masters (None: all)."""
-    if slots is None:
-        yield
-        return
-    wanted = {id(slot.master) for slot in slots}
-    groups = inner.param_groups
-    subset = [{**group, "params": [p for p in group["params"] if id(p) in wanted]} for group in groups]
-    inner.param_groups = [group for group in subset if group["params"]]
-    try:
-        yield
-    finally:
-        inner.param_groups = groups
-
-
-def _swap_transaction(records) -> contextlib.ExitStack:
-    """One all-or-nothing swap transaction over the engines these records write to."""
-    stack = contextlib.ExitStack()
-    for engine in {id(r.swap): r.swap for r in records if r.swap is not None}.values():
-        stack.enter_context(engine.transaction())
-    return stack
-
-
-def _grad_outside_param(record: ParamRecord | None) -> bool:
-    """Whether ``param.grad`` misses this parameter's (averaged) gradient: it lives in zinf's shards
-    (stages 2-3), or stage 1 with several ranks has not averaged it yet."""
-    return record is not None and (record.stage >= 2 or (record.stage == 1 and record.world_size > 1))
-
-
-def refuse_foreign_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before any ``torch.optim`` step: refuse one that would silently miss zinf's gradients.
-
-    At stages 2-3 a sharded parameter's gradient lives in zinf's store
-    (``param.grad`` stays None), so a plain torch optimizer would step nothing;
-    at stage 1 with several ranks it would step un-averaged gradients.  Its
-    step raises instead, naming the zinf optimizer to use.
-    """
-    if isinstance(optimizer, ZinfOptimizer) or getattr(optimizer, "_zinf_inner", False):
-        return
-    RUNTIME.store.collect()
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            record = RUNTIME.store.lookup(param)
-            if not _grad_outside_param(record):
-                continue
-            name = type(optimizer).__name__
-            suggestion = name if name in ("AdamW", "Adam", "SGD") else "AdamW"
-            raise RuntimeError(
-                f"{type(optimizer).__module__}.{name} cannot train parameter {record.name}: at zinf stage "
-                f"{record.stage} its gradient and optimizer state live in zinf's shards (param.grad stays None), "
-                f"so this optimizer would update nothing. Use zinf_compiler.optim.{suggestion}(model.parameters(), "
-                f"...) (AdamW, Adam or SGD), which steps the shards and takes the same arguments"
-            )
-
-
-# ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` reads ``param.grad``; at
-# stages 2-3 that is None, so it would return 0 and clip nothing, silently.  zinf
-# puts a guard in front of torch's two clipping functions: it hands zinf's
-# parameters to the zinf optimizer holding them and passes every other call to
-# torch's own code (zinf_compiler/torch_patches.py installs them).
-TORCH_CLIP: dict[str, Callable] = {}  # name -> torch's function body, which the guards call
-
-
-def _zinf_params_in(parameters) -> tuple[list[torch.Tensor], list[ParamRecord]]:
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if not RUNTIME.store.records():
-        return params, []
-    return params, [r for r in map(RUNTIME.store.lookup, params) if _grad_outside_param(r)]
-
-
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` that also sees zinf's gradient shards (same arguments)."""
-    params, records = _zinf_params_in(parameters)
-    if not records:
-        return TORCH_CLIP["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
-    trainable = {id(p) for p in params if p.requires_grad}
-    for optimizer in live_optimizers():
-        held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
-        if held == trainable:
-            total_norm = optimizer.clip_grad_norm_(max_norm, norm_type)
-            if error_if_nonfinite and not torch.isfinite(total_norm):
-                raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
-                                   f"non-finite, so it cannot be clipped (error_if_nonfinite=True)")
-            return total_norm
-    raise RuntimeError(
-        f"torch.nn.utils.clip_grad_norm_ cannot see the gradient of parameter {records[0].name}: at zinf stage "
-        f"{records[0].stage} it lives in zinf's shards (param.grad is not the averaged gradient), and no zinf "
-        f"optimizer holds exactly the trainable parameters given. Pass the same parameters as to your "
-        f"zinf_compiler.optim optimizer (e.g. model.parameters()), or call optimizer.clip_grad_norm_(max_norm)")
-
-
-def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None) -> None:
-    """``torch.nn.utils.clip_grad_value_``, refused for zinf-sharded gradients (it would clip nothing)."""
-    params, records = _zinf_params_in(parameters)
-    if records:
-        raise RuntimeError(
-            f"torch.nn.utils.clip_grad_value_ cannot clip the gradient of parameter {records[0].name}: at zinf "
-            f"stage {records[0].stage} it lives in zinf's shards, so it would clip nothing. zinf clips by norm: "
-            f"call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or optimizer.clip_grad_norm_")
-    return TORCH_CLIP["clip_grad_value_"](params, clip_value, foreach)
-
-
-def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
-    """``torch.nn.utils.clip_grads_with_norm_``, refused for zinf-sharded gradients: the norm the
-    caller took with ``get_total_norm`` over ``param.grad`` missed them, and the scaling would too."""
-    params, records = _zinf_params_in(parameters)
-    if records:
-        raise RuntimeError(
-            f"torch.nn.utils.clip_grads_with_norm_ cannot scale the gradient of parameter {records[0].name}: at "
-            f"zinf stage {records[0].stage} it lives in zinf's shards (param.grad is not it, so a norm taken with "
-            f"get_total_norm over param.grad misses it too). Call torch.nn.utils.clip_grad_norm_(model.parameters(), "
-            f"max_norm) or optimizer.clip_grad_norm_(max_norm): both return the global norm")
-    return TORCH_CLIP["_clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
-
-
-def live_optimizers() -> list[ZinfOptimizer]:
-    """Every zinf optimizer still alive in this process (the clipping guard finds the one holding the parameters)."""
-    return list(RUNTIME.optimizers)
 
 
 class AdamW(ZinfOptimizer):
@@ -748,19 +463,3 @@ class SGD(ZinfOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **kwargs):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, **kwargs)
-
-
-
-# ``model.zero_grad()`` (the HF Trainer's call, and many loops') clears ``param.grad``;
-# at stages 2-3 zinf keeps gradients in sharded buffers instead, which it would
-# leave alone: the next step would add two backwards' gradients up, silently.
-TORCH_MODULE_ZERO_GRAD = torch.nn.Module.zero_grad  # torch's own (torch_patches.install sets it)
-
-
-def module_zero_grad_with_shards(self: torch.nn.Module, set_to_none: bool = True) -> None:
-    """``nn.Module.zero_grad`` that also discards the zinf gradient shards of the module's parameters."""
-    TORCH_MODULE_ZERO_GRAD(self, set_to_none)
-    if RUNTIME.store.records():
-        records = [record for record in map(RUNTIME.store.lookup, self.parameters()) if record is not None]
-        if records:
-            RUNTIME.store.drop_grads(records)

@@ -4,7 +4,7 @@
   caller's thread when the compute's threads already occupy every core, and
   on the worker thread otherwise (copies next to NVMe reads always take the
   worker).
-* ``optim._host_memory_bounded``: the optimizer step gives freed host memory
+* ``optim_step.host_memory_bounded``: the optimizer step gives freed host memory
   back to the OS where host memory is bounded (NVMe tiers, cpu tiers beside an
   accelerator), not for a model trained on the CPU from memory.
 """
@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from zinf_compiler.optim import _host_memory_bounded
+from zinf_compiler.optim_step import host_memory_bounded
 from zinf_compiler.runtime.copy_engine import CopyEngine
 from zinf_compiler.runtime.trace import Tracer
 
@@ -72,4 +72,4 @@ def _record(param_tier: str, opt_tier: str, device: str = "cpu"):
     ([_record("device", "device", "cuda")], False),
 ])
 def test_the_step_trims_host_memory_only_where_it_is_bounded(records, bounded):
-    assert _host_memory_bounded(records) is bounded
+    assert host_memory_bounded(records) is bounded

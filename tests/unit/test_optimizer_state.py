@@ -1,7 +1,7 @@
 """The optimizer's state interface that zinf.save / zinf.load use (issue 27), in-process.
 
 No compile: parameters zinf did not shard are stepped as given, which is
-enough to check that ``memory_state`` reads and ``restore_state`` puts back
+enough to check that ``save_state`` reads and ``load_state`` puts back
 what continues training exactly, and that a slot left out starts fresh.
 """
 
@@ -33,7 +33,7 @@ def test_restored_state_continues_training_exactly_and_left_out_slots_start_fres
     _train(trained, trained_opt, steps=3, seed=1)
     assert trained_opt.bound and len(trained_opt.slots()) == 4
     saved = {id(slot.param): {k: v.clone() if isinstance(v, torch.Tensor) else v
-                              for k, v in trained_opt.memory_state(slot).items()}
+                              for k, v in trained_opt.save_state(slot)}
              for slot in trained_opt.slots()}
     assert all(set(state) == {"step", "exp_avg", "exp_avg_sq"} for state in saved.values())
 
@@ -41,11 +41,11 @@ def test_restored_state_continues_training_exactly_and_left_out_slots_start_fres
     resumed.load_state_dict(trained.state_dict())
     resumed_opt = AdamW(resumed.parameters(), lr=0.05)
     with pytest.raises(RuntimeError, match="not bound"):
-        resumed_opt.restore_state({}, {})
+        resumed_opt.load_state([])
     resumed_opt.bind()
     by_param = {id(slot.param): slot for slot in resumed_opt.slots()}
     names = dict(zip(map(id, trained.parameters()), map(id, resumed.parameters())))
-    resumed_opt.restore_state({by_param[names[pid]]: state for pid, state in saved.items()}, {})
+    resumed_opt.load_state((by_param[names[pid]], state) for pid, state in saved.items())
 
     _train(trained, trained_opt, steps=2, seed=2)
     _train(resumed, resumed_opt, steps=2, seed=2)
@@ -56,8 +56,8 @@ def test_restored_state_continues_training_exactly_and_left_out_slots_start_fres
     fresh_opt = AdamW(resumed.parameters(), lr=0.05)
     fresh_opt.bind()
     first, *rest = fresh_opt.slots()
-    fresh_opt.restore_state({slot: resumed_opt.memory_state(resumed_opt.slots()[i + 1])
-                             for i, slot in enumerate(rest)}, {})
-    assert fresh_opt.memory_state(first) == {}
-    assert all(fresh_opt.memory_state(slot)["step"].item() == 5 for slot in rest)
-    assert fresh_opt.nvme_steps(first) == 0 and not first.state_on_nvme
+    fresh_opt.load_state((slot, dict(resumed_opt.save_state(resumed_opt.slots()[i + 1])))
+                         for i, slot in enumerate(rest))
+    assert dict(fresh_opt.save_state(first)) == {}
+    assert all(dict(fresh_opt.save_state(slot))["step"].item() == 5 for slot in rest)
+    assert not first.state_on_nvme

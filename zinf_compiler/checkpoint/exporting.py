@@ -1,0 +1,143 @@
+"""Consolidated weights for the ecosystem: ``zinf.export`` from a live model, ``to_safetensors`` from a checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import torch
+
+from ..api import store_of, unwrap
+from ..runtime.checkpoint_files import DTYPES_BY_NAME, SafetensorsWriter, fsync_dir, replace_into_place
+from ..runtime.store import ParamRecord, ParamStore
+from .model_state import named_buffers, named_params, spanning_meshes
+from .reader import Checkpoint
+
+
+@torch.no_grad()
+def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safetensors",
+           dtype: torch.dtype | None = None) -> str:
+    """Write the model's consolidated weights to the folder ``path`` as ``model.safetensors``; every rank calls it.
+
+    Loadable by ``safetensors.torch.load_file`` and ``model.load_state_dict``,
+    and, for a ``transformers`` model (one with ``config.save_pretrained``),
+    by ``from_pretrained(path)``: its ``config.json`` is written too.  Tied
+    weights are written once, under their first name (as ``save_pretrained``
+    does).  Parameters are gathered one at a time and written by rank 0 as
+    they arrive, so memory holds at most one full parameter.  Values are the
+    parameters as the model computes with them (``param_dtype``), in the
+    model's dtype or ``dtype``; the fp32 masters are in :func:`save`'s
+    checkpoints.
+    """
+    if format != "safetensors":
+        raise ValueError(f"zinf.export writes format='safetensors' only, not {format!r}")
+    path = os.path.abspath(os.fspath(path))
+    store = store_of(model)
+    comm = store.comm
+    rank = comm.rank
+    store.collect()
+    spanning_meshes(store, model, "export")  # (export gathers each parameter over its own mesh)
+    module = unwrap(model)
+    named = named_params(module)
+    tensors = [(name, param) for name, param in named] + named_buffers(module, {id(p) for _, p in named})
+    entries = []
+    for name, tensor in tensors:
+        record = store.lookup(tensor)
+        shape = tuple(record.shape if record is not None else tensor.shape)
+        out_dtype = dtype if dtype is not None and tensor.is_floating_point() else (
+            record.dtype if record is not None else tensor.dtype)
+        entries.append((name, out_dtype, shape))
+    writer = None
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        writer = SafetensorsWriter(os.path.join(path, "model.safetensors"), entries, {"format": "pt"})
+    try:
+        for (name, tensor), (_, out_dtype, _) in zip(tensors, entries):
+            record = store.lookup(tensor)
+            if record is not None and record.stage == 3:
+                with _gathered(store, record) as full:  # a collective: every rank, in the same order
+                    if writer is not None:
+                        writer.write(name, full.to(out_dtype))
+            elif writer is not None:
+                writer.write(name, tensor.detach().to(out_dtype))
+        if writer is not None:
+            writer.close()
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                _save_config(config, path)
+            fsync_dir(path)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    _barrier(comm, "export to " + path)
+    return path
+
+
+def _save_config(config, path: str) -> None:
+    """``config.save_pretrained`` into a fresh private folder, its files then renamed into ``path``.
+
+    ``save_pretrained`` opens ``config.json`` with a plain ``open``, which
+    would write through a link planted at that name; a rename replaces the
+    link instead.
+    """
+    private = tempfile.mkdtemp(prefix=".config-", dir=path)
+    try:
+        config.save_pretrained(private)
+        for name in os.listdir(private):
+            replace_into_place(os.path.join(private, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _gathered(store: ParamStore, record: ParamRecord):
+    """The full parameter for the block (collective), released after it; never a second full copy."""
+    unit = store.unit([record])
+    store.gather_start(unit)
+    try:
+        yield store.gather_wait(unit)[0]
+    finally:
+        store.release(unit)
+
+
+def _barrier(comm, what: str) -> None:
+    """A barrier that works on every backend (an all-gather of nothing)."""
+    comm.all_gather_object(None, f"barrier ({what})")
+
+
+def to_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> str:
+    """Convert a checkpoint folder to one consolidated ``model.safetensors`` under ``out``; no model, no ranks.
+
+    The converter to the ecosystem's formats: the fp32 values of every
+    parameter (tied ones once) and every buffer, read and written one tensor
+    at a time.  ``transformers`` and ``safetensors`` load the file, and so does
+    ``torch.distributed.checkpoint`` through its ``HuggingFaceStorageReader``.
+    Optimizer state stays in zinf's format.
+    """
+    checkpoint = Checkpoint(os.path.abspath(os.fspath(path)))
+    try:
+        for index in range(len(checkpoint.manifests)):
+            checkpoint.verify_data(index)
+        meta = checkpoint.meta
+        tensors = [(name, "value", info) for name, info in meta["params"].items()]
+        tensors += [(name, "buffer", info) for name, info in meta["buffers"].items()]
+        dtypes = {name: checkpoint.dtype(name, kind) if checkpoint.has(name, kind)
+                  else DTYPES_BY_NAME[info["dtype"]] for name, kind, info in tensors}
+        out = os.path.abspath(os.fspath(out))
+        os.makedirs(out, exist_ok=True)
+        writer = SafetensorsWriter(os.path.join(out, "model.safetensors"),
+                                   [(name, dtypes[name], tuple(info["shape"])) for name, _, info in tensors])
+        try:
+            for name, kind, info in tensors:
+                numel = int(torch.Size(info["shape"]).numel())
+                writer.write(name, checkpoint.read_full(name, kind, numel, dtypes[name]))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    finally:
+        checkpoint.close()
+    return out

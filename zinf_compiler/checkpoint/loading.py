@@ -1,0 +1,291 @@
+"""``zinf.load`` and ``zinf.latest``: a checkpoint into a model (and optimizer) of any world size and layout."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from ..api import store_of
+from ..optim import Slot, ZinfOptimizer
+from ..runtime.checkpoint_files import DTYPES_BY_NAME, ZinfCheckpointError, read_checked, read_json_checked
+from ..runtime.store import ParamStore
+from .format import COMMIT_MARKER, set_rng_state, tupled
+from .model_state import check_optimizer, counts_steps, model_mesh, named_buffers, named_params, sharded
+from .reader import Checkpoint
+from .validation import hyper_problems, is_number
+
+log = logging.getLogger("zinf")
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         weights_only: bool = True) -> Any:
+    """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); returns its ``extra``.
+
+    Every rank must call it.  Works at any world size, partition, tile plan
+    and offload tier: each rank reads the element ranges its shards hold.
+    The whole checkpoint is verified first (each rank checks a share of the
+    data files' checksums) and a partial, corrupt or mismatched one is
+    refused with an error naming the file, before anything is changed.
+
+    The model's parameters get the saved fp32 values, its buffers theirs;
+    gradients are dropped (as after ``opt.zero_grad()``).  The optimizer gets
+    its param groups' hyperparameters at once and its state (moments, step
+    counts) when it binds to the shards: now if the model has run, else at
+    its first step.  RNG states are restored when the world size is the one
+    saved (each rank its own).  ``weights_only`` is passed to ``torch.load``
+    for ``extra``: True by default, as a checkpoint folder is untrusted input
+    (every file it names must lie in it, every count and offset is checked);
+    pass False only for a checkpoint you trust whose ``extra`` holds objects
+    other than tensors and plain containers.
+    """
+    path = os.path.abspath(os.fspath(path))
+    store = store_of(model)
+    comm = store.comm
+    store.collect()
+    mesh = model_mesh(store, model, "load")
+    try:
+        checkpoint = Checkpoint(path)
+        error = None
+    except ZinfCheckpointError as err:
+        checkpoint, error = None, str(err)
+    errors = comm.all_gather_object(error, "all_gather of checkpoint metadata checks (load)")
+    if any(errors):
+        if checkpoint is not None:
+            checkpoint.close()
+        raise ZinfCheckpointError(next(message for message in errors if message))
+    try:
+        checkpoint.verify(comm)
+        _check_matches(store, checkpoint, model, optimizer)
+        meta = checkpoint.meta
+        extra = _read_extra(checkpoint, weights_only) if "extra" in meta else None
+    except BaseException:
+        checkpoint.close()
+        raise
+    _load_model(store, checkpoint, model)
+    if optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = tupled(value) if isinstance(value, list) else value
+        optimizer.zero_grad()
+        optimizer.attach_state(_SavedOptimizerState(checkpoint, {id(p): name for name, p in named_params(model)},
+                                                    store))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if optimizer.bound or all(store.lookup(p) is not None for p in params):
+            optimizer.bind()  # the binding is final: apply the state now
+    else:
+        checkpoint.close()
+    # Into this model's ledger (made now if it has none yet: its parameters join it when adopted).
+    store.group([param for _, param in named_params(model)]).fp16_scaler.load_state(meta["fp16_scaler"])
+    if meta["world_size"] == comm.world_size and mesh is None and "mesh" not in meta:
+        set_rng_state(checkpoint.manifests[comm.rank]["rng"])
+    else:
+        log.info("zinf.load: saved over %d rank(s)%s, loaded at %d%s: RNG states not restored",
+                 meta["world_size"], " (files of one replica's shards)" if "mesh" in meta else "", comm.world_size,
+                 f" over {mesh.describe()}" if mesh is not None else "")
+    return extra
+
+
+def _read_extra(checkpoint: Checkpoint, weights_only: bool) -> Any:
+    """``extra``, read from the checkpoint folder (never through a link) and checked against its CRC32."""
+    described = checkpoint.meta["extra"]
+    data = read_checked(checkpoint.path, described["file"], described["crc32"], "checkpoint extra",
+                        f"{os.path.join(checkpoint.path, 'meta.json')}: extra.file")
+    extra_path = os.path.join(checkpoint.path, described["file"])
+    try:
+        return torch.load(io.BytesIO(data), weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if not weights_only:
+            raise ZinfCheckpointError(f"checkpoint extra {extra_path} cannot be unpickled ({err})") from err
+        raise ZinfCheckpointError(
+            f"checkpoint extra {extra_path} holds objects that torch.load(weights_only=True) refuses to unpickle "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}). Unpickling them can run any code: "
+            f"only if you trust this checkpoint, pass zinf.load(..., weights_only=False), or save plain "
+            f"containers of tensors and numbers as extra") from err
+    except Exception as err:
+        raise ZinfCheckpointError(f"checkpoint extra {extra_path} cannot be loaded ({type(err).__name__}: "
+                                  f"{err})") from err
+
+
+def _check_matches(store: ParamStore, checkpoint: Checkpoint, model, optimizer) -> None:
+    meta = checkpoint.meta
+    named = named_params(model)
+    saved = meta["params"]
+    problems = []
+    mine = {name for name, _ in named}
+    missing = sorted(mine - set(saved))
+    unexpected = sorted(set(saved) - mine)
+    if missing:
+        problems.append(f"parameters not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"parameters of the checkpoint not in the model: {unexpected[:8]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}")
+    shapes = []
+    for name, param in named:
+        record = store.lookup(param)
+        shape = list(record.shape if record is not None else param.shape)
+        if name in saved and saved[name]["shape"] != shape:
+            shapes.append(f"{name} has shape {tuple(shape)}, the checkpoint {tuple(saved[name]['shape'])}")
+    problems += shapes[:4] + ([f"{len(shapes) - 4} more shapes differ"] if len(shapes) > 4 else [])
+    buffers = {name for name, _ in named_buffers(model, {id(p) for _, p in named})}
+    if buffers != set(meta["buffers"]):
+        problems.append(f"buffers differ: model only {sorted(buffers - set(meta['buffers']))}, checkpoint only "
+                        f"{sorted(set(meta['buffers']) - buffers)}")
+    if optimizer is not None:
+        check_optimizer(optimizer)
+        saved_opt = meta["optimizer"]
+        if saved_opt is None:
+            problems.append("the checkpoint has no optimizer state (saved without an optimizer)")
+        elif saved_opt["class"] != type(optimizer).__name__:
+            problems.append(f"the checkpoint's optimizer is {saved_opt['class']}, this one is "
+                            f"{type(optimizer).__name__}")
+        else:
+            names = {id(p): name for name, p in named}
+            groups = [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
+            if groups != [group["params"] for group in saved_opt["param_groups"]]:
+                problems.append("the optimizer's param groups hold other parameters than the checkpoint's")
+            else:
+                problems += hyper_problems(optimizer, saved_opt["param_groups"])
+        if counts_steps(optimizer):
+            stepless = sorted({name for name, kind in checkpoint.pieces if kind.startswith("state.")
+                               and "step" not in checkpoint.scalars.get(name, {})})
+            if stepless:
+                problems.append(f"optimizer state of {stepless[:4]}{' ...' if len(stepless) > 4 else ''} has "
+                                f"moments but no step count (the checkpoint is damaged)")
+    if problems:
+        raise ZinfCheckpointError(f"checkpoint {checkpoint.path} does not match the model: " + "; ".join(problems)
+                                  + ". Nothing was changed.")
+
+
+@torch.no_grad()
+def _load_model(store: ParamStore, checkpoint: Checkpoint, model) -> None:
+    named = named_params(model)
+    records = []
+    for name, param in named:
+        record = store.lookup(param)
+        if sharded(record):
+            records.append(record)
+            if record.stage == 3:
+                store.assign_local(record, checkpoint.read_local(record, name, "value", record.holding_dtype))
+                continue
+            # Stages 1-2: the full parameter is in memory anyway; the master takes the saved fp32 values.
+            full = checkpoint.read_full(name, "value", record.numel, record.holding_dtype)
+            param.data.copy_(full.view(record.shape))
+            store.assign_full(record, full.view(record.shape))
+            record.synced_version = param._version
+        else:
+            full = checkpoint.read_full(name, "value", param.numel(), param.dtype)
+            param.copy_(full.view(param.shape))
+        param.grad = None
+    store.drop_grads(records)
+    for name, buffer in named_buffers(model, {id(p) for _, p in named}):
+        buffer.copy_(checkpoint.read_full(name, "buffer", buffer.numel(), buffer.dtype).view(buffer.shape))
+
+
+class _SavedOptimizerState:
+    """A checkpoint's optimizer state, handed to the optimizer by :func:`load` (``ZinfOptimizer.attach_state``).
+
+    The optimizer applies it when it binds to the store's shards (again if it
+    binds anew before its first step: parameters adopted after the load), and
+    closes it at its first step.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, names: dict[int, str], store: ParamStore):
+        self.checkpoint = checkpoint
+        self.names = names  # each parameter's name in the checkpoint, by id(param)
+        self.store = store
+
+    @torch.no_grad()
+    def apply(self, optimizer: ZinfOptimizer) -> None:
+        """Give a bound optimizer the checkpoint's state for its slots, in this run's layout.
+
+        Masters of sharded parameters are written again from the saved fp32
+        values, through the store wherever they rest (a parameter adopted after
+        :func:`load` took them from the full tensor, which may be lower
+        precision); the moments and step counts go through
+        :meth:`ZinfOptimizer.load_state`.
+        """
+        for slot in optimizer.slots():
+            if sharded(slot.record):
+                value = self.checkpoint.read_local(slot.record, self.names[id(slot.param)], "value",
+                                                   slot.record.holding_dtype)
+                self.store.assign_local(slot.record, value)
+        optimizer.load_state((slot, self._slot_state(slot)) for slot in optimizer.slots())
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+    def _slot_state(self, slot: Slot) -> Mapping[str, Any]:
+        """The saved state of one slot, in this run's layout (empty: none saved, or not this rank's).
+
+        An NVMe-tier slot's moments are read when the optimizer looks them up
+        (one at a time, as it writes each to its swap files).
+        """
+        checkpoint, name, record = self.checkpoint, self.names[id(slot.param)], slot.record
+        if slot.state_on_nvme:
+            step = checkpoint.scalars.get(name, {}).get("step")
+            steps = int(step[0]) if step is not None else 0
+            if not steps or not record.owns_state:
+                return {}
+            return _ReadOnLookup({"step": steps},
+                                 lambda kind: checkpoint.read_local(record, name, "state." + kind, torch.float32))
+        state = {}
+        for kind, (value, dtype_name) in checkpoint.scalars.get(name, {}).items():
+            state[kind] = value if dtype_name == "python" else torch.tensor(value, dtype=DTYPES_BY_NAME[dtype_name])
+        kinds = [kind for (saved_name, kind) in checkpoint.pieces if saved_name == name and kind.startswith("state.")]
+        for kind in kinds:
+            dtype = checkpoint.dtype(name, kind)
+            if sharded(record):
+                if not record.owns_state:
+                    return {}
+                value = checkpoint.read_local(record, name, kind, dtype)
+            else:
+                value = checkpoint.read_full(name, kind, slot.param.numel(), dtype).view(slot.param.shape)
+            state[kind[len("state."):]] = value
+        return state
+
+
+class _ReadOnLookup(Mapping):
+    """Scalars held, and any other kind read by ``read(kind)`` each time it is looked up (never kept)."""
+
+    def __init__(self, scalars: dict[str, Any], read: Callable[[str], torch.Tensor]):
+        self.scalars, self.read = scalars, read
+
+    def __getitem__(self, kind: str):
+        return self.scalars[kind] if kind in self.scalars else self.read(kind)
+
+    def __iter__(self):
+        return iter(self.scalars)
+
+    def __len__(self) -> int:
+        return len(self.scalars)
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The most recently committed checkpoint folder directly under ``root`` (None: there is none).
+
+    Folders a killed save left (no commit marker) are skipped.
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    best = None
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        if name.endswith((".partial", ".old")) or not os.path.lexists(os.path.join(folder, COMMIT_MARKER)):
+            continue
+        try:
+            saved_at = read_json_checked(folder, "meta.json", None, "checkpoint metadata")["saved_at"]
+        except (ZinfCheckpointError, TypeError, KeyError):
+            continue
+        if not is_number(saved_at):
+            continue
+        if best is None or saved_at > best[0]:
+            best = (saved_at, os.path.join(root, name))
+    return best[1] if best else None

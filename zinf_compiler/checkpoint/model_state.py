@@ -1,0 +1,87 @@
+"""What a model and its optimizer hold, as the checkpoint sees them: names, buffers, meshes, the optimizer's kind."""
+
+from __future__ import annotations
+
+import torch
+
+from ..api import unwrap
+from ..optim import ZinfOptimizer
+from ..runtime.checkpoint_files import ZinfCheckpointError
+from ..runtime.store import ParamRecord, ParamStore
+
+
+def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str) -> dict:
+    """The meshes the model's sharded parameters use: ``{None or id(mesh): (a parameter's name, mesh or None)}``
+    (None: the default group's ranks).  A mesh over only some of the ranks is refused naming the parameter:
+    all ranks call save, load and export."""
+    meshes = {}
+    for _, param in named_params(model):
+        record = store.lookup(param)
+        if record is None:
+            continue
+        if record.mesh.is_default:
+            meshes.setdefault(None, (record.name, None))
+            continue
+        if record.mesh.everyone.world_size != store.comm.world_size:
+            raise ZinfCheckpointError(
+                f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh), which "
+                f"spans {record.mesh.everyone.world_size} of the {store.comm.world_size} ranks; checkpoints "
+                f"need a mesh over every rank. zinf.full_state_dict(model) gathers every weight on every rank of the "
+                f"mesh (save it from one rank with torch.save; load it with model.load_state_dict)")
+        meshes.setdefault(id(record.mesh), (record.name, record.mesh))
+    return meshes
+
+
+def model_mesh(store: ParamStore, model: torch.nn.Module, what: str):
+    """The one mesh the model's parameters are sharded over (None: the default group's ranks).
+
+    Checkpoint files are numbered by the ranks of that one mesh: parameters
+    sharded over different ones (or some over a mesh, some over every rank)
+    are refused naming two of them.
+    """
+    meshes = spanning_meshes(store, model, what)
+    if len(meshes) > 1:
+        (first, mesh), (second, other) = list(meshes.values())[:2]
+        describe = lambda m: m.describe() if m is not None else "every rank"  # noqa: E731
+        raise ZinfCheckpointError(f"zinf.{what}: parameters {first} and {second} are sharded over different meshes "
+                                  f"({describe(mesh)}, {describe(other)}); save each model on its own")
+    return next(iter(meshes.values()))[1] if meshes else None
+
+
+def named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The model's parameters by name (the module or its ``torch.compile`` wrapper)."""
+    return list(unwrap(model).named_parameters())  # tied parameters once, under their first name
+
+
+def names_by_tensor(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(tensor) -> every state-dict name it appears under (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def named_buffers(model: torch.nn.Module, param_ids: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """Persistent buffers (what ``state_dict`` holds besides parameters), once each."""
+    seen, buffers = set(), []
+    for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
+        if id(tensor) not in param_ids and id(tensor) not in seen and isinstance(tensor, torch.Tensor):
+            seen.add(id(tensor))
+            buffers.append((name, tensor))
+    return buffers
+
+
+def sharded(record: ParamRecord | None) -> bool:
+    """Whether the parameter's truth is this rank's slice (stage 1-3), not a full tensor every rank holds."""
+    return record is not None and record.stage > 0
+
+
+def check_optimizer(optimizer) -> None:
+    if not isinstance(optimizer, ZinfOptimizer):
+        raise TypeError(f"zinf.save/load take a zinf optimizer (zinf_compiler.optim.AdamW, Adam or SGD), not "
+                        f"{type(optimizer).__module__}.{type(optimizer).__name__}")
+
+
+def counts_steps(optimizer) -> bool:
+    """Whether the optimizer's state holds a step count beside its moments (Adam does; SGD's momentum not)."""
+    return issubclass(getattr(optimizer, "inner_class", object), (torch.optim.Adam, torch.optim.AdamW))

@@ -1,0 +1,89 @@
+"""What a zinf optimizer steps and holds: its slots, and its state where it rests (memory or NVMe swap files).
+
+The one place outside the NVMe step itself (runtime/nvme_adam.py) that names
+the swap keys of Adam's moments: :meth:`ZinfOptimizer.save_state` and
+``load_state`` go through :func:`read_moment` and :func:`write_moment`, so
+that a checkpoint handles an NVMe-resident state as it does one in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from zinf_compiler.runtime.nvme_adam import state_key, sub_groups
+from zinf_compiler.runtime.store import ParamRecord, ParamStore
+
+# What NvmeAdam keeps per slot in swap files besides the master (its step count stays in memory).
+NVME_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """One parameter as the optimizer steps it: the user's parameter, the store's record and the tensor stepped."""
+
+    param: torch.nn.Parameter  # what the user passed
+    record: ParamRecord | None  # the store's record; None for a parameter zinf did not shard
+    master: torch.Tensor | None  # what the inner optimizer steps; None when the state rests on NVMe
+
+    @property
+    def state_on_nvme(self) -> bool:
+        """Whether this slot's master and moments rest in NVMe swap files (stepped by NvmeAdam, not in memory)."""
+        return self.master is None
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The gradient the step reads: ``param.grad`` unsharded, else this rank's gradient shard (None: not its own)."""
+        if self.record is None or self.record.stage == 0:
+            return self.param.grad
+        return self.record.grad_shard if self.record.owns_state else None
+
+
+@dataclasses.dataclass
+class StreamedState:
+    """One kind of a slot's state that rests in swap files, read a sub-group at a time as ``chunks`` is consumed."""
+
+    dtype: torch.dtype
+    chunks: Iterator[tuple[int, torch.Tensor]]  # (first element in the slot's local tensor, values on the CPU)
+
+
+def read_moment(store: ParamStore, record: ParamRecord, kind: str) -> StreamedState:
+    """An NVMe-tier slot's moment ``kind`` (one of NVME_MOMENTS), streamed from its swap files."""
+    chunks = ((start, store.read_swap(record.swap, state_key(kind, record.uid, index), torch.float32, stop - start,
+                                      torch.device("cpu")))
+              for index, (start, stop) in enumerate(sub_groups(record.local_numel)))
+    return StreamedState(torch.float32, chunks)
+
+
+def write_moment(store: ParamStore, record: ParamRecord, kind: str, local: torch.Tensor) -> None:
+    """Write this rank's whole moment ``kind`` of an NVMe-tier slot (``local_numel`` elements) to its swap files."""
+    for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
+        store.write_swap(record.swap, state_key(kind, record.uid, index), local[start:stop])
+
+
+def count_state_bytes(inner: torch.optim.Optimizer | None, memory_slots: list[Slot], nvme, nvme_slots: list[Slot],
+                params: set[int] | None) -> dict[str, int]:
+    """Bytes of optimizer state per tier for ``params`` (ids), or all (see ``ZinfOptimizer.state_bytes``)."""
+    per_tier = {"device": 0, "cpu": 0, "nvme": 0}
+    if inner is None:
+        return per_tier
+    for slot in memory_slots:
+        if params is not None and id(slot.param) not in params:
+            continue
+        tier = slot.record.opt_tier if slot.record is not None and slot.record.stage > 0 else "device"
+        for value in inner.state.get(slot.master, {}).values():
+            if isinstance(value, torch.Tensor):
+                per_tier[tier] += value.numel() * value.element_size()
+    if nvme is not None:
+        records = [slot.record for slot in nvme_slots if params is None or id(slot.param) in params]
+        per_tier["nvme"] += nvme.state_bytes_on_disk(records)
+    return per_tier
+
+
+def unaccount_state(store: ParamStore, state_bytes: dict[str, int], ledger) -> None:
+    """A dropped optimizer's moments stop counting in its model's ledger (a ``weakref.finalize`` callback)."""
+    for tier, nbytes in state_bytes.items():
+        store.add_optimizer_bytes(tier, -nbytes, ledger=ledger.root())
+        state_bytes[tier] = 0
