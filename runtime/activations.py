@@ -25,7 +25,7 @@ a forward whose graph is dropped leaks nothing.
 Bytes are counted per tier on the model's ledger (``Ledger.activations``)
 and the process's: ``cpu`` (host copies), ``nvme`` (bytes in swap files);
 the device tier counts saved values that stay on the device
-(:func:`count_saved`).  Nothing here knows FX.
+(:meth:`ActivationStore.count_saved`, runtime/saved_on_device.py).  Nothing here knows FX.
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ import weakref
 import numpy as np
 import torch
 
-from .aio import ALIGNMENT, AioEngine
+from .aio import AioEngine
+from .swap_folders import FolderWatch
+from .swap_layout import ALIGNMENT
 from .copy_engine import CopyEngine
 from .pinned import PinnedPool
 from .ledger import Ledger
+from .saved_on_device import count_saved
 
 # The NVMe tier stages through one pinned pool, sized 4x the largest value
 # offloaded so far within these bounds.  A value moves in pieces of at most a
@@ -108,44 +111,19 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
-class _SavedOnDevice:
-    """Device bytes one call's autograd node saves, counted until its backward ran or the node died."""
-
-    __slots__ = ("process", "ledger", "nbytes", "__weakref__")
-
-    def __init__(self, process: Ledger, ledger, nbytes: int):
-        self.process = process
-        self.ledger = ledger
-        self.nbytes = nbytes
-        self.process.add_activations("device", nbytes)
-        if ledger is not None:
-            ledger.root().add_activations("device", nbytes)
-
-    def release(self, *_ignored) -> None:
-        if self.nbytes:
-            self.process.add_activations("device", -self.nbytes)
-            if self.ledger is not None:
-                self.ledger.root().add_activations("device", -self.nbytes)
-            self.nbytes = 0
-
-    def __del__(self) -> None:
-        self.release()
-
-
-
-_SAVED_KEY = "zinf_saved_activations"
-
-
 class ActivationStore:
-    """The process's offloaded activations (one per process: ``RUNTIME.activations``).
+    """The process's offloaded activations (one per process: the ``Runtime``'s ``activations``, runtime/process.py).
 
     ``process``: the process-wide ledger its pinned pool and held bytes are
-    counted in; ``copier``: the copy engine its device <-> host copies run on.
+    counted in; ``copier``: the copy engine its device <-> host copies run on
+    (its tracer draws the swap engines' transfers too); ``folder_watch``: what
+    removes the swap engines' folders on SIGTERM (None: each engine its own).
     """
 
-    def __init__(self, process: Ledger, copier: CopyEngine) -> None:
+    def __init__(self, process: Ledger, copier: CopyEngine, folder_watch: FolderWatch | None = None) -> None:
         self.process = process
         self.copier = copier
+        self._folder_watch = folder_watch
         self._entries: dict[int, _Entry] = {}
         self._by_address: dict[int, int] = {}  # a live handle's storage address -> its entry id
         self._ids = itertools.count(1)
@@ -170,7 +148,8 @@ class ActivationStore:
         engine = self._engines.get(nvme_path)
         if engine is None:
             settings = self._engine_settings.get(nvme_path, {})
-            engine = self._engines[nvme_path] = AioEngine(nvme_path, copies=1, **settings)
+            engine = self._engines[nvme_path] = AioEngine(nvme_path, copies=1, tracer=self.copier.tracer,
+                                                          folder_watch=self._folder_watch, **settings)
         return engine
 
     def engines(self) -> list[AioEngine]:
@@ -479,31 +458,6 @@ class ActivationStore:
         return len(self._entries)
 
     def count_saved(self, nodes: list, inputs: list, ledger) -> int:
-        """Count on ``ledger`` the device bytes the autograd ``nodes`` of one call saved (inputs and handles aside).
-
-        Returns the bytes counted.  The count ends when the node's backward has
-        run (its saved tensors are freed then) or when the node is freed.
-        """
-        skip = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-        total = 0
-        for node in nodes:
-            if _SAVED_KEY in node.metadata:
-                continue
-            try:
-                saved = node.saved_tensors
-            except RuntimeError:
-                continue  # already freed, or not unpackable here
-            storages = {}
-            for tensor in saved:
-                if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in skip or storage.data_ptr() == 0 or self.is_handle(tensor):
-                    continue  # parameters, user inputs, storage-less parameters, handles of offloaded values
-                storages[storage.data_ptr()] = storage.nbytes()
-            nbytes = sum(storages.values())
-            counter = _SavedOnDevice(self.process, ledger, nbytes)
-            node.metadata[_SAVED_KEY] = counter
-            node.register_hook(counter.release)
-            total += nbytes
-        return total
+        """Count on ``ledger`` (and the process's) the device bytes the autograd ``nodes`` of one call saved,
+        inputs and this store's handles aside; returns the bytes counted (see runtime/saved_on_device.py)."""
+        return count_saved(nodes, inputs, ledger, self.process, self.is_handle)

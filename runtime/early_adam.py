@@ -48,7 +48,8 @@ import weakref
 
 import torch
 
-from .nvme_adam import STATE_NAMES, SubGroup, adam_kernel, state_key, sub_groups, wait_all
+from .nvme_adam import STATE_NAMES, SubGroup, adam_kernel, wait_all
+from .swap_layout import state_key, sub_groups
 from .pinned import PinnedPool
 from .records import POOL_WAIT_SECONDS
 

@@ -24,12 +24,14 @@ from typing import Callable, Iterable
 
 import torch
 
-from .aio import ALIGNMENT, AioEngine
+from .aio import AioEngine
 from .comm import Comm, MeshComm
 from .host_memory import available_bytes, ranks_on_node
-from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
+from .nvme_adam import write_initial_master
+from .swap_folders import FolderWatch
+from .swap_layout import ALIGNMENT, SUB_GROUP_NUMEL, state_key, sub_groups
 from .pinned import PinnedPool
-from .resting import RestingParameter, guard_aliases
+from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
 from .records import (DEFAULT_BUCKET_BYTES, DTYPES, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord,
                       checked_tile_rows, local_slice, move_to_empty_storage, nbytes_of, padded_view, tier_memory)
@@ -73,11 +75,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     ledgers.  They share the state made here.
     """
 
-    def __init__(self, comm: Comm | None = None):
-        if comm is None:  # a store of its own (unit tests) shares the process's group
-            from .process import RUNTIME  # (it imports this module)
-
-            comm = RUNTIME.comm
+    def __init__(self, comm: Comm, folder_watch: FolderWatch | None = None):
         self.comm = comm  # the process's default group: parameters adopted without a mesh shard over it
         self.copier = comm.copier  # cg copies (CPU or pinned -> device): the process's
         self._records: dict[int, ParamRecord] = {}
@@ -92,6 +90,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         self._grad_ram_auto: int | None = None  # nvme_grad_ram_bytes="auto": this process's budget, fixed once
         # NVMe swap and the pinned pool: made on first need (see configure_offload).
         self._engines: dict[str, AioEngine] = {}
+        self._folder_watch = folder_watch  # what removes the engines' folders on SIGTERM (None: each its own)
         self.pinned: PinnedPool | None = None
         self._offload_settings: dict = {}
         self._largest_shard_numel = 0  # of every parameter planned for offload (sizes the pinned pool)
@@ -132,7 +131,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             settings = self._offload_settings
             engine = self._engines[nvme_path] = AioEngine(
                 nvme_path, block_size=settings["aio_block_size"], queue_depth=settings["aio_queue_depth"],
-                threads=settings["aio_threads"], copies=settings.get("nvme_copies", 2))
+                threads=settings["aio_threads"], copies=settings.get("nvme_copies", 2), tracer=self.comm.tracer,
+                folder_watch=self._folder_watch)
         elif engine.copies != self._offload_settings.get("nvme_copies", engine.copies):
             raise ZinfStoreError(
                 f"nvme_copies={self._offload_settings['nvme_copies']} asked for {nvme_path}, whose swap engine "
@@ -283,7 +283,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             compute_dtype = param.dtype if exact else DTYPES[param_dtype]
             holding_dtype = param.dtype if exact else torch.float32
             tile_rows = None if exact else checked_tile_rows(tile_rows, param)
-            tile_align = (4096 // compute_dtype.itemsize
+            tile_align = (ALIGNMENT // compute_dtype.itemsize
                           if tile_rows is not None and param_tier == "nvme" and partition == "allgather" else 1)
             owner = None
             if partition == "broadcast":
@@ -401,7 +401,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         empty storage of its own and leaves the old one, whole, to its holders.
         """
         releasing = {id(r): r for r in records if r.stage == 3 and r.param.untyped_storage().nbytes() > 0}
-        kept = guard_aliases([(r.param, r.uid, r.name) for r in releasing.values()])
+        kept = guard_aliases([(r.param, r.uid, r.name) for r in releasing.values()], self.lookup)
         for record in releasing.values():
             param = record.param
             self._add_resting("device", -param.untyped_storage().nbytes(), ledger=record.ledger)
@@ -410,8 +410,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 move_to_empty_storage(param)
             else:
                 param.untyped_storage().resize_(0)
-            if type(param) is torch.nn.Parameter:
-                param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
+            rest(param, self)  # a RestingParameter, whose guard asks this store for its record
 
     def hold_full_storage(self, record: ParamRecord) -> bool:
         """Stage 3 (``zinf.gathered``): give a resting parameter its full storage back, holding its

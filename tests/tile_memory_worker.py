@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import zinf_compiler as zinf
 from zinf_compiler.runtime.host_memory import trim
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 from accounting_worker import rss
 
 

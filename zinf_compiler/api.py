@@ -6,8 +6,11 @@ import contextlib
 
 import torch
 
-from zinf_compiler.optim import live_optimizers
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.runtime.process import Runtime
+
+# The process's runtime (runtime/process.py): the one instance, read only by the entry layer
+# (this file, backend.py, optim.py), which hands its parts to everything else.
+RUNTIME = Runtime()
 
 TIERS = ("device", "cpu", "nvme")
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -111,7 +114,7 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
                 and not record.params_in_master):  # (then the master's files are the params counted above)
             report["nvme"]["optimizer"] += record.local_numel * 4  # the fp32 master's swap files
     ids = {id(p) for p in params}
-    for opt in live_optimizers():
+    for opt in list(RUNTIME.optimizers):
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
     ledger = RUNTIME.store.group(params)

@@ -72,7 +72,7 @@ from .runtime.checkpoint_files import (DTYPE_NAMES, DTYPES_BY_NAME, ChecksummedW
                                        write_json_atomic)
 from .runtime.nvme_adam import state_key, sub_groups
 from .runtime.store import ParamRecord
-from .runtime.process import RUNTIME
+from .api import RUNTIME
 
 log = logging.getLogger("zinf")
 

@@ -43,7 +43,7 @@ from .runtime.aio import human_bytes
 from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
 from .runtime.host_memory import trim
 from .runtime.store import DTYPES
-from .runtime.process import RUNTIME
+from .api import RUNTIME
 
 log = logging.getLogger("zinf")
 
@@ -69,7 +69,7 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
     from . import torch_patches
 
     torch_patches.install()  # sharded parameters exist from here on (see torch_patches)
-    parsed = parse_options(options)
+    parsed = parse_options(options, comm=RUNTIME.comm)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if parsed.stage != 3:

@@ -29,7 +29,7 @@ from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import ParamRecord
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 # With parameters on NVMe, masters are stepped and written back this many bytes at a time.
 PUBLISH_CHUNK_BYTES = 32 << 20
