@@ -31,6 +31,7 @@ the device tier counts saved values that stay on the device
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import threading
 import weakref
@@ -58,6 +59,25 @@ class ZinfActivationError(RuntimeError):
     """A saved activation could not be offloaded or fetched back."""
 
 
+class PieceState(enum.Enum):
+    """Where one NVMe piece of an offloaded activation is (as runtime/transfers.py's states for parameters):
+
+        NEW -> STAGING -> WRITING -> ON_DISK -> READING -> FETCHED (-> ON_DISK: fetched again)
+    """
+    NEW = "not staged"  # its bytes are only in the value
+    STAGING = "staging"  # its copy into a pinned buffer is in flight
+    WRITING = "writing"  # its write is in flight (the staging is held until it lands)
+    ON_DISK = "on disk"  # written, staging released
+    READING = "reading"  # a fetch's read into staging is in flight
+    FETCHED = "fetched"  # copied into the fetch in flight's device tensor
+
+
+_P = PieceState
+# The moves a piece makes; any other raises (a bug in the store, never a silent pairing).
+PIECE_MOVES = frozenset({(_P.NEW, _P.STAGING), (_P.STAGING, _P.WRITING), (_P.WRITING, _P.ON_DISK),
+                         (_P.ON_DISK, _P.READING), (_P.READING, _P.FETCHED), (_P.FETCHED, _P.ON_DISK)})
+
+
 @dataclasses.dataclass(eq=False)
 class _Piece:
     """One NVMe swap key of an entry: the bytes [offset, offset + nbytes) of the value, in memory order."""
@@ -70,8 +90,14 @@ class _Piece:
     copy: object = None  # CopyWork of the copy into staging (offload)
     write: object = None  # AioRequest of the write, until reaped
     read: object = None  # AioRequest of the read (fetch)
-    written: bool = False  # its write was submitted
-    fetched: bool = False  # copied into the fetch in flight
+    state: PieceState = PieceState.NEW
+
+    def move(self, to: PieceState) -> None:
+        """Go to state ``to``, if :data:`PIECE_MOVES` allows it."""
+        if (self.state, to) not in PIECE_MOVES:
+            raise ZinfActivationError(f"activation {self.entry.name}, piece {self.key}: {self.state.value} -> "
+                                      f"{to.value} is not a move of the activation store")
+        self.state = to
 
 
 @dataclasses.dataclass(eq=False)
@@ -246,11 +272,12 @@ class ActivationStore:
     def _stage_out(self, entry: _Entry, block: bool) -> None:
         """Start copying pieces into staging: as far as buffers are free, or (``block``) the next one."""
         for piece in entry.pieces:
-            if piece.staging is not None or piece.written or entry.source is None:
+            if piece.state is not PieceState.NEW or entry.source is None:
                 continue
             piece.staging = self._staging(piece.nbytes) if block else self._try_staging(piece.nbytes)
             if piece.staging is None:
                 return
+            piece.move(PieceState.STAGING)
             target = piece.staging.tensor(torch.uint8, piece.nbytes)
             source = entry.source[piece.offset: piece.offset + piece.nbytes]
             piece.copy = self.copier.copy(target, source, "activations", f"offload {entry.name}")
@@ -263,7 +290,7 @@ class ActivationStore:
         piece.copy.synchronize()
         piece.copy = None
         self._copies.remove(piece)
-        piece.written = True
+        piece.move(PieceState.WRITING)
         piece.write = piece.entry.engine.write(piece.key, piece.staging, piece.nbytes)
         self._writes.append(piece)
 
@@ -304,8 +331,8 @@ class ActivationStore:
             if entry.source is None:
                 return
             for piece in entry.pieces:
-                if piece.written:
-                    continue
+                if piece.state not in (PieceState.NEW, PieceState.STAGING):
+                    continue  # its write was submitted
                 if piece.staging is None:
                     self._stage_out(entry, block=True)
                 if piece.copy is not None:
@@ -334,19 +361,21 @@ class ActivationStore:
         entry.fetch = (out, flat.view(torch.uint8) if flat.numel() else flat, None)
         with self._lock:
             for piece in entry.pieces:
-                piece.fetched = False
+                if piece.state is PieceState.FETCHED:
+                    piece.move(PieceState.ON_DISK)  # fetched before (a second backward): read again
             self._read_pieces(entry, block=False)
 
     def _read_pieces(self, entry: _Entry, block: bool) -> None:
         """Start reading pieces into staging (as far as buffers are free, or the next one when ``block``)."""
         for piece in entry.pieces:
-            if piece.read is not None or piece.fetched:
+            if piece.state in (PieceState.READING, PieceState.FETCHED):
                 continue
             if piece.write is not None:
                 self._finish_write(piece)
             piece.staging = self._staging(piece.nbytes) if block else self._try_staging(piece.nbytes)
             if piece.staging is None:
                 return
+            piece.move(PieceState.READING)
             piece.read = entry.engine.read(piece.key, piece.staging, piece.nbytes)
             if block:
                 return
@@ -367,7 +396,7 @@ class ActivationStore:
                     self._read_pieces(entry, block=True)
             piece.read.wait()
             piece.read = None
-            piece.fetched = True
+            piece.move(PieceState.FETCHED)
             source = piece.staging.tensor(torch.uint8, piece.nbytes)
             # The staging buffer is reused once released: wait for the copy on the host.
             self.copier.copy(flat[piece.offset: piece.offset + piece.nbytes], source, "activations",
@@ -424,6 +453,7 @@ class ActivationStore:
             piece.write.wait()
         finally:
             piece.write = None
+            piece.move(PieceState.ON_DISK)
             if piece in self._writes:
                 self._writes.remove(piece)
             piece.staging.release()
