@@ -171,7 +171,7 @@ def run_zinf_activations(args, batch: int) -> dict:
     """Full-batch training with parameters, optimizer states and every saved activation on NVMe."""
     import zinf_compiler as zinf
     from zinf_compiler.gpt import GPT, synthetic_batches
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
 
     cfg = act_config(args)
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def activations_main(args) -> None:
 def run_zinf(args) -> dict:
     import zinf_compiler as zinf
     from zinf_compiler.gpt import GPT, synthetic_batches
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
 
     cfg = config(args, args.n_layer)
     options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": args.nvme_path,

@@ -60,7 +60,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from zinf_compiler.gpt import GPT, GPTConfig
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
     from zinf_compiler.runtime.store_publish import REFRESH_IN_PLACE_BYTES
 
     torch.set_num_threads(1)

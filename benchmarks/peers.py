@@ -286,7 +286,7 @@ def _print_limit_model(configs, comparable) -> None:
 
 def _zinf_io_counters() -> dict[str, int]:
     """Bytes this rank's zinf moved so far: swap reads and writes, collectives (for the limit model)."""
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
 
     engines = RUNTIME.store.engines()
     return {"disk_read": sum(engine.bytes_read for engine in engines),

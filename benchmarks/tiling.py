@@ -45,7 +45,7 @@ def child(spec: dict) -> None:
     import zinf_compiler as zinf
     from zinf_compiler.gpt import Block, GPTConfig
     from zinf_compiler.runtime.ledger import ZinfBudgetError
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
 
     torch.manual_seed(0)
     hidden = spec["hidden"]

@@ -145,7 +145,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     _install_wire_counters()
     import zinf_compiler as zinf
     from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

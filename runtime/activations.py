@@ -25,12 +25,13 @@ a forward whose graph is dropped leaks nothing.
 Bytes are counted per tier on the model's ledger (``Ledger.activations``)
 and the process's: ``cpu`` (host copies), ``nvme`` (bytes in swap files);
 the device tier counts saved values that stay on the device
-(:func:`count_saved`).  Nothing here knows FX.
+(:meth:`ActivationStore.count_saved`, runtime/saved_on_device.py).  Nothing here knows FX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import threading
 import weakref
@@ -38,10 +39,13 @@ import weakref
 import numpy as np
 import torch
 
-from .aio import ALIGNMENT, AioEngine
+from .aio import AioEngine
+from .swap_folders import FolderWatch
+from .swap_layout import ALIGNMENT
 from .copy_engine import CopyEngine
 from .pinned import PinnedPool
 from .ledger import Ledger
+from .saved_on_device import count_saved
 
 # The NVMe tier stages through one pinned pool, sized 4x the largest value
 # offloaded so far within these bounds.  A value moves in pieces of at most a
@@ -53,6 +57,25 @@ MAX_POOL_BYTES = 256 << 20
 
 class ZinfActivationError(RuntimeError):
     """A saved activation could not be offloaded or fetched back."""
+
+
+class PieceState(enum.Enum):
+    """Where one NVMe piece of an offloaded activation is (as runtime/transfers.py's states for parameters):
+
+        NEW -> STAGING -> WRITING -> ON_DISK -> READING -> FETCHED (-> ON_DISK: fetched again)
+    """
+    NEW = "not staged"  # its bytes are only in the value
+    STAGING = "staging"  # its copy into a pinned buffer is in flight
+    WRITING = "writing"  # its write is in flight (the staging is held until it lands)
+    ON_DISK = "on disk"  # written, staging released
+    READING = "reading"  # a fetch's read into staging is in flight
+    FETCHED = "fetched"  # copied into the fetch in flight's device tensor
+
+
+_P = PieceState
+# The moves a piece makes; any other raises (a bug in the store, never a silent pairing).
+PIECE_MOVES = frozenset({(_P.NEW, _P.STAGING), (_P.STAGING, _P.WRITING), (_P.WRITING, _P.ON_DISK),
+                         (_P.ON_DISK, _P.READING), (_P.READING, _P.FETCHED), (_P.FETCHED, _P.ON_DISK)})
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,8 +90,14 @@ class _Piece:
     copy: object = None  # CopyWork of the copy into staging (offload)
     write: object = None  # AioRequest of the write, until reaped
     read: object = None  # AioRequest of the read (fetch)
-    written: bool = False  # its write was submitted
-    fetched: bool = False  # copied into the fetch in flight
+    state: PieceState = PieceState.NEW
+
+    def move(self, to: PieceState) -> None:
+        """Go to state ``to``, if :data:`PIECE_MOVES` allows it."""
+        if (self.state, to) not in PIECE_MOVES:
+            raise ZinfActivationError(f"activation {self.entry.name}, piece {self.key}: {self.state.value} -> "
+                                      f"{to.value} is not a move of the activation store")
+        self.state = to
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,44 +137,19 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
-class _SavedOnDevice:
-    """Device bytes one call's autograd node saves, counted until its backward ran or the node died."""
-
-    __slots__ = ("process", "ledger", "nbytes", "__weakref__")
-
-    def __init__(self, process: Ledger, ledger, nbytes: int):
-        self.process = process
-        self.ledger = ledger
-        self.nbytes = nbytes
-        self.process.add_activations("device", nbytes)
-        if ledger is not None:
-            ledger.root().add_activations("device", nbytes)
-
-    def release(self, *_ignored) -> None:
-        if self.nbytes:
-            self.process.add_activations("device", -self.nbytes)
-            if self.ledger is not None:
-                self.ledger.root().add_activations("device", -self.nbytes)
-            self.nbytes = 0
-
-    def __del__(self) -> None:
-        self.release()
-
-
-
-_SAVED_KEY = "zinf_saved_activations"
-
-
 class ActivationStore:
-    """The process's offloaded activations (one per process: ``RUNTIME.activations``).
+    """The process's offloaded activations (one per process: the ``Runtime``'s ``activations``, runtime/process.py).
 
     ``process``: the process-wide ledger its pinned pool and held bytes are
-    counted in; ``copier``: the copy engine its device <-> host copies run on.
+    counted in; ``copier``: the copy engine its device <-> host copies run on
+    (its tracer draws the swap engines' transfers too); ``folder_watch``: what
+    removes the swap engines' folders on SIGTERM (None: each engine its own).
     """
 
-    def __init__(self, process: Ledger, copier: CopyEngine) -> None:
+    def __init__(self, process: Ledger, copier: CopyEngine, folder_watch: FolderWatch | None = None) -> None:
         self.process = process
         self.copier = copier
+        self._folder_watch = folder_watch
         self._entries: dict[int, _Entry] = {}
         self._by_address: dict[int, int] = {}  # a live handle's storage address -> its entry id
         self._ids = itertools.count(1)
@@ -170,7 +174,8 @@ class ActivationStore:
         engine = self._engines.get(nvme_path)
         if engine is None:
             settings = self._engine_settings.get(nvme_path, {})
-            engine = self._engines[nvme_path] = AioEngine(nvme_path, copies=1, **settings)
+            engine = self._engines[nvme_path] = AioEngine(nvme_path, copies=1, tracer=self.copier.tracer,
+                                                          folder_watch=self._folder_watch, **settings)
         return engine
 
     def engines(self) -> list[AioEngine]:
@@ -267,11 +272,12 @@ class ActivationStore:
     def _stage_out(self, entry: _Entry, block: bool) -> None:
         """Start copying pieces into staging: as far as buffers are free, or (``block``) the next one."""
         for piece in entry.pieces:
-            if piece.staging is not None or piece.written or entry.source is None:
+            if piece.state is not PieceState.NEW or entry.source is None:
                 continue
             piece.staging = self._staging(piece.nbytes) if block else self._try_staging(piece.nbytes)
             if piece.staging is None:
                 return
+            piece.move(PieceState.STAGING)
             target = piece.staging.tensor(torch.uint8, piece.nbytes)
             source = entry.source[piece.offset: piece.offset + piece.nbytes]
             piece.copy = self.copier.copy(target, source, "activations", f"offload {entry.name}")
@@ -284,7 +290,7 @@ class ActivationStore:
         piece.copy.synchronize()
         piece.copy = None
         self._copies.remove(piece)
-        piece.written = True
+        piece.move(PieceState.WRITING)
         piece.write = piece.entry.engine.write(piece.key, piece.staging, piece.nbytes)
         self._writes.append(piece)
 
@@ -325,8 +331,8 @@ class ActivationStore:
             if entry.source is None:
                 return
             for piece in entry.pieces:
-                if piece.written:
-                    continue
+                if piece.state not in (PieceState.NEW, PieceState.STAGING):
+                    continue  # its write was submitted
                 if piece.staging is None:
                     self._stage_out(entry, block=True)
                 if piece.copy is not None:
@@ -355,19 +361,21 @@ class ActivationStore:
         entry.fetch = (out, flat.view(torch.uint8) if flat.numel() else flat, None)
         with self._lock:
             for piece in entry.pieces:
-                piece.fetched = False
+                if piece.state is PieceState.FETCHED:
+                    piece.move(PieceState.ON_DISK)  # fetched before (a second backward): read again
             self._read_pieces(entry, block=False)
 
     def _read_pieces(self, entry: _Entry, block: bool) -> None:
         """Start reading pieces into staging (as far as buffers are free, or the next one when ``block``)."""
         for piece in entry.pieces:
-            if piece.read is not None or piece.fetched:
+            if piece.state in (PieceState.READING, PieceState.FETCHED):
                 continue
             if piece.write is not None:
                 self._finish_write(piece)
             piece.staging = self._staging(piece.nbytes) if block else self._try_staging(piece.nbytes)
             if piece.staging is None:
                 return
+            piece.move(PieceState.READING)
             piece.read = entry.engine.read(piece.key, piece.staging, piece.nbytes)
             if block:
                 return
@@ -388,7 +396,7 @@ class ActivationStore:
                     self._read_pieces(entry, block=True)
             piece.read.wait()
             piece.read = None
-            piece.fetched = True
+            piece.move(PieceState.FETCHED)
             source = piece.staging.tensor(torch.uint8, piece.nbytes)
             # The staging buffer is reused once released: wait for the copy on the host.
             self.copier.copy(flat[piece.offset: piece.offset + piece.nbytes], source, "activations",
@@ -445,6 +453,7 @@ class ActivationStore:
             piece.write.wait()
         finally:
             piece.write = None
+            piece.move(PieceState.ON_DISK)
             if piece in self._writes:
                 self._writes.remove(piece)
             piece.staging.release()
@@ -479,31 +488,6 @@ class ActivationStore:
         return len(self._entries)
 
     def count_saved(self, nodes: list, inputs: list, ledger) -> int:
-        """Count on ``ledger`` the device bytes the autograd ``nodes`` of one call saved (inputs and handles aside).
-
-        Returns the bytes counted.  The count ends when the node's backward has
-        run (its saved tensors are freed then) or when the node is freed.
-        """
-        skip = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-        total = 0
-        for node in nodes:
-            if _SAVED_KEY in node.metadata:
-                continue
-            try:
-                saved = node.saved_tensors
-            except RuntimeError:
-                continue  # already freed, or not unpackable here
-            storages = {}
-            for tensor in saved:
-                if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in skip or storage.data_ptr() == 0 or self.is_handle(tensor):
-                    continue  # parameters, user inputs, storage-less parameters, handles of offloaded values
-                storages[storage.data_ptr()] = storage.nbytes()
-            nbytes = sum(storages.values())
-            counter = _SavedOnDevice(self.process, ledger, nbytes)
-            node.metadata[_SAVED_KEY] = counter
-            node.register_hook(counter.release)
-            total += nbytes
-        return total
+        """Count on ``ledger`` (and the process's) the device bytes the autograd ``nodes`` of one call saved,
+        inputs and this store's handles aside; returns the bytes counted (see runtime/saved_on_device.py)."""
+        return count_saved(nodes, inputs, ledger, self.process, self.is_handle)

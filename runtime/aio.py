@@ -79,7 +79,8 @@ import weakref
 
 
 from .aio_requests import (ALIGNMENT, AioChecksumError, AioError, AioRequest, KeyCopy, SwapKey, SwapState,
-                           SwapTransaction, buffer_address, byte_view, human_bytes, round_up, run_worker)
+                           SwapTransaction, buffer_address, byte_view, finalize_state, human_bytes, round_up,
+                           run_worker, shutdown_state)
 from .trace import Tracer
 from .swap_folders import FolderWatch, owner_tag, probe_direct, remove_stale_folders, validate_folder
 
@@ -88,50 +89,15 @@ __all__ = ["ALIGNMENT", "AioChecksumError", "AioEngine", "AioError", "AioRequest
            "remove_stale_folders", "validate_folder"]
 
 
-def _finalize(state: SwapState) -> None:
-    """The engine was garbage collected, or the interpreter exits: shut down (owner process only)."""
-    if os.getpid() != state.owner_pid:
-        return  # a forked child must not remove its parent's swap files
-    # A collection can run inside one of our own critical sections (any
-    # allocation may trigger it) or in a worker: never block on the lock or
-    # join ourselves there, hand the shutdown to a fresh thread instead.
-    if threading.current_thread() not in state.threads and state.lock.acquire(timeout=1.0):
-        state.lock.release()
-        _shutdown(state)
-    else:
-        threading.Thread(target=_shutdown, args=(state,), name="zinf-aio-shutdown").start()
-
-
-def _shutdown(state: SwapState) -> None:
-    """Finish queued work, stop the workers, close and remove the swap files."""
-    if os.getpid() != state.owner_pid:
-        return  # a forked child must not remove its parent's swap files
-    with state.lock:
-        state.stopping = True
-        state.closed = True
-        state.work.notify_all()
-    for thread in state.threads:
-        if thread is not threading.current_thread():
-            thread.join()
-    with state.lock:
-        for key in state.keys.values():
-            if key.fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(key.fd)
-                key.fd = None
-        state.open_files.clear()
-    shutil.rmtree(state.folder, ignore_errors=True)
-    state.folder_watch.unwatch(state)
-
-
 class AioEngine:
     """Swap files in a private folder under ``folder``; see the module docstring for the contract.
 
     ``block_size``: bytes per piece (rounded up to 4096); ``queue_depth``:
     pieces of one request queued or running at once; ``threads``: worker
     threads doing the I/O; ``tracer``: the timeline its transfers and waits
-    are drawn on (default: the process's, ``RUNTIME.tracer``); ``folder_watch``:
-    what removes the private folder on SIGTERM (default: ``RUNTIME.swap_folders``).  Attributes:
+    are drawn on (the process's, ``Runtime.tracer``; default: a tracer of its own, never armed);
+    ``folder_watch``: what removes the private folder on SIGTERM (the process's,
+    ``Runtime.swap_folders``; default: a watch of its own).  Attributes:
     ``folder`` (the private folder), ``direct``, ``backend``,
     ``bytes_written``, ``bytes_read``, ``busy_seconds``.
     """
@@ -164,17 +130,15 @@ class AioEngine:
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
-        if tracer is None or folder_watch is None:
-            from .process import RUNTIME  # (it imports this module)
-
-            tracer = RUNTIME.tracer if tracer is None else tracer
-            folder_watch = RUNTIME.swap_folders if folder_watch is None else folder_watch
+        # A standalone engine (tests, benchmarks) gets parts of its own; the runtime's engines are handed its.
+        tracer = Tracer() if tracer is None else tracer
+        folder_watch = FolderWatch() if folder_watch is None else folder_watch
         self._state = SwapState(self.folder, self.direct, self.block_size, queue_depth, copies, tracer)
         self._state.background_threads = max(1, threads - 1)  # one worker always free for the foreground
         self._state.folder_watch = folder_watch
         folder_watch.watch(self._state, self.folder)  # removed if a SIGTERM ends the process
         # Registered before the threads start, so an error below still removes the folder.
-        self._finalizer = weakref.finalize(self, _finalize, self._state)
+        self._finalizer = weakref.finalize(self, finalize_state, self._state)
         for index in range(threads):
             thread = threading.Thread(target=run_worker, args=(self._state,), name=f"zinf-aio-{index}", daemon=True)
             thread.start()
@@ -501,7 +465,7 @@ class AioEngine:
     def close(self) -> None:
         """Finish the transfers in flight, then remove the swap folder (idempotent)."""
         if self._finalizer.detach() is not None:
-            _shutdown(self._state)
+            shutdown_state(self._state)
 
     def __enter__(self) -> "AioEngine":
         return self

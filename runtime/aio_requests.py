@@ -8,20 +8,21 @@ open transaction), guarded by its one lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
+import shutil
 import threading
 import time
 from collections import OrderedDict, deque
 
 import numpy as np
 
+from .swap_layout import ALIGNMENT
 from .trace import Tracer
 from .trace import now as trace_now
 
-
-ALIGNMENT = 4096
 _SECTOR_WORDS = ALIGNMENT // 8
 MAX_OPEN_FILES = 256  # swap files kept open at once; idle ones beyond this are closed (reopened on use)
 
@@ -408,6 +409,44 @@ def run_worker(state: SwapState) -> None:
             if state.pieces_running == 0:
                 state.busy_seconds += time.perf_counter() - state.busy_since
             request._piece_finished(error)
+
+
+# --- an engine's end: the workers stop, the files and the folder go ---------------------
+
+def finalize_state(state: SwapState) -> None:
+    """An engine was garbage collected, or the interpreter exits: shut its state down (owner process only)."""
+    if os.getpid() != state.owner_pid:
+        return  # a forked child must not remove its parent's swap files
+    # A collection can run inside one of our own critical sections (any
+    # allocation may trigger it) or in a worker: never block on the lock or
+    # join ourselves there, hand the shutdown to a fresh thread instead.
+    if threading.current_thread() not in state.threads and state.lock.acquire(timeout=1.0):
+        state.lock.release()
+        shutdown_state(state)
+    else:
+        threading.Thread(target=shutdown_state, args=(state,), name="zinf-aio-shutdown").start()
+
+
+def shutdown_state(state: SwapState) -> None:
+    """Finish queued work, stop the workers, close and remove the swap files (an engine's ``close``)."""
+    if os.getpid() != state.owner_pid:
+        return  # a forked child must not remove its parent's swap files
+    with state.lock:
+        state.stopping = True
+        state.closed = True
+        state.work.notify_all()
+    for thread in state.threads:
+        if thread is not threading.current_thread():
+            thread.join()
+    with state.lock:
+        for key in state.keys.values():
+            if key.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(key.fd)
+                key.fd = None
+        state.open_files.clear()
+    shutil.rmtree(state.folder, ignore_errors=True)
+    state.folder_watch.unwatch(state)
 
 
 def byte_view(buffer, writable: bool) -> memoryview:

@@ -30,18 +30,22 @@ class ZinfBindingError(RuntimeError):
 
 
 class Binding:
-    """The store records of one compiled call, by slot (Dynamo input position), and the store holding them.
+    """The store records of one compiled call, by slot (Dynamo input position), the store holding them,
+    and the activation store its saved activations go to.
 
-    The graph's ops reach the store through the binding of the call they run in,
-    not through a global: a store built in a test serves the ops it binds.
+    The graph's ops reach the runtime's parts through the binding of the call they
+    run in, not through a global: the store (and through it the communicator,
+    ``store.comm``) and the activation store; a store built in a test serves the
+    ops it binds.  A stage-0 call binds no records, only the parts.
     """
 
-    __slots__ = ("records", "graph_id", "store")
+    __slots__ = ("records", "graph_id", "store", "activations")
 
-    def __init__(self, records: dict[int, Any], graph_id: int, store: Any):
+    def __init__(self, records: dict[int, Any], graph_id: int, store: Any, activations: Any = None):
         self.records = records
         self.graph_id = graph_id
         self.store = store
+        self.activations = activations  # runtime/activations.py's ActivationStore (None: the graph offloads none)
 
     def unit(self, slots: list[int], tile: int | None = None):
         """The store's unit of the parameters bound to ``slots`` (a bucket, or one; ``tile``: that row tile)."""

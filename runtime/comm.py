@@ -103,7 +103,7 @@ class Comm:
 
     Subgroups (:meth:`subgroup`) share the process's traffic counters,
     default timeout, copy engine and tracer with the default group's Comm
-    (``RUNTIME.comm``): the counters say what this process sent, whatever the
+    (the ``Runtime``'s ``comm``): the counters say what this process sent, whatever the
     group.  World size 1 copies with ``copier``; waits are stalls on ``tracer``.  Ranks (``rank``, ``src``, ``dst``) are
     ranks within the group.
     """
@@ -133,7 +133,7 @@ class Comm:
     def timeout(self, seconds: float | None) -> None:
         """Seconds a collective waits for the other ranks when its caller names none (the process's)."""
         if self._parent:
-            raise AttributeError("a subgroup's default timeout is its process's (set it on RUNTIME.comm)")
+            raise AttributeError("a subgroup's default timeout is its process's (set it on the default group's Comm)")
         self._timeout = seconds
 
     def subgroup(self, group) -> "Comm":

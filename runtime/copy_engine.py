@@ -1,6 +1,6 @@
 """Asynchronous copies for the fetch pipeline: a worker thread on CPU, a side stream on CUDA.
 
-``CopyEngine.copy(target, source, track, name)`` (the process's: ``RUNTIME.copier``) starts ``target.copy_(source)``
+``CopyEngine.copy(target, source, track, name)`` (the process's: ``Runtime.copier``) starts ``target.copy_(source)``
 and returns a :class:`CopyWork`.  Both tensors must stay untouched (and alive:
 the caller holds them) until the work is waited on.
 
@@ -79,7 +79,7 @@ class CopyWork:
 
 
 class CopyEngine:
-    """The process's asynchronous copies (one per process: ``RUNTIME.copier``), drawn on ``tracer``'s timeline."""
+    """The process's asynchronous copies (one per process: ``Runtime.copier``), drawn on ``tracer``'s timeline."""
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer

@@ -21,19 +21,9 @@ import dataclasses
 import torch
 
 from .aio import AioError
+from .swap_layout import SUB_GROUP_NUMEL, state_key, sub_groups  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
 
-SUB_GROUP_NUMEL = 16 * 1024 * 1024  # 64 MiB of fp32 per state tensor per group
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
-
-
-def sub_groups(numel: int, group_numel: int = SUB_GROUP_NUMEL) -> list[tuple[int, int]]:
-    """(start, stop) element ranges covering ``numel`` in order."""
-    return [(start, min(start + group_numel, numel)) for start in range(0, numel, group_numel)] or [(0, 0)]
-
-
-def state_key(name: str, uid: int, index: int) -> str:
-    """The swap key of optimizer state ``name`` (master, exp_avg, exp_avg_sq, grad) of sub-group ``index``."""
-    return f"{name}.{uid}.{index}"
 
 
 def write_initial_master(store, record, local_fp32: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ import weakref
 
 import torch
 
-ALIGNMENT = 4096
+from .swap_layout import ALIGNMENT
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 

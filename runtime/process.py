@@ -1,11 +1,15 @@
-"""The process's zinf runtime: the one registry of process-wide state.
+"""The process's zinf runtime: what builds the runtime's parts, once, and hands them to each other.
 
 What a process holds for zinf whatever models it compiles lives in one
-:class:`Runtime`, :data:`RUNTIME`, made at import: the step tracer, the copy
-engine, the collectives of the default process group (subgroups and meshes
-hang off it), the parameter store (with its pinned pool and swap engines) and
-the activation store, the swap folders a SIGTERM must remove, and the zinf
-optimizers alive.  Nothing else in the runtime keeps mutable state at module
+:class:`Runtime`: the step tracer, the copy engine, the collectives of the
+default process group (subgroups and meshes hang off it), the parameter store
+(with its pinned pool and swap engines) and the activation store, the swap
+folders a SIGTERM must remove, and the zinf optimizers alive.  This module
+makes no instance: the process's one instance belongs to the entry layer
+(zinf_compiler/api.py, read by backend.py and optim.py), and no other module
+imports this one.  Each part is given the others it uses when built here
+(a store its communicator, an engine its tracer and folder watch), so no part
+reaches up for them.  Nothing else in the runtime keeps mutable state at module
 level, except the binding's per-thread current call and the listeners told
 when it changes (runtime/binding.py): that is how a graph's ops are handed the
 call they run in, thread state like torch's grad mode, not state of a model.
@@ -43,8 +47,8 @@ class Runtime:
         self.tracer = Tracer()
         self.copier = CopyEngine(self.tracer)
         self.comm = Comm(copier=self.copier, tracer=self.tracer)
-        self.store = ParamStore(self.comm)
-        self.activations = ActivationStore(self.store.process, self.copier)
+        self.store = ParamStore(self.comm, self.swap_folders)
+        self.activations = ActivationStore(self.store.process, self.copier, self.swap_folders)
         self._nvme_sampled = (0.0, 0)  # (when, bytes) of the last swap folder scan
 
     def trace_sample(self) -> dict[str, int]:
@@ -61,6 +65,3 @@ class Runtime:
                 self._nvme_sampled = (at, sum(engine.bytes_on_disk() for engine in engines))
             sample["nvme"] = self._nvme_sampled[1]
         return sample
-
-
-RUNTIME = Runtime()

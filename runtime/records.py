@@ -7,7 +7,8 @@ import weakref
 
 import torch
 
-from .aio import ALIGNMENT, AioEngine, AioError
+from .aio import AioEngine, AioError
+from .swap_layout import align
 from .comm import MeshComm
 from .ledger import Ledger, ZinfStoreError
 from .units import ParamLayout
@@ -193,7 +194,7 @@ def checked_tile_rows(tile_rows, param: torch.Tensor) -> tuple[int, ...] | None:
 
 def padded_view(view, offset: int, nbytes: int):
     """``view`` from ``offset`` for ``nbytes`` rounded up to the O_DIRECT alignment (never past its end)."""
-    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    padded = align(nbytes)
     return view[offset : min(len(view), offset + padded)]
 
 

@@ -34,11 +34,17 @@ holds too (a view an autograd graph saved, a tensor of another subclass) is
 not freed at all: the parameter moves to an empty storage of its own, those
 holders keep the values of that moment, and the Python aliases stay errors
 for good (``_zinf_retired``).
+
+The guard finds a resting parameter's record through one lookup: :func:`rest`
+gives the parameter a link to the store that adopted it (``_zinf_store``, a
+weak reference that pickles and copies as nothing of the store), and
+:func:`record_of` asks that store.  No process-wide store is reached.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -148,10 +154,45 @@ def _first_resting(args, kwargs):
     return None
 
 
-def _name(param) -> str:
-    from .process import RUNTIME
+class _StoreLink:
+    """A resting parameter's weak link to its store (see :func:`rest`): pickled, it comes back dead;
+    copied, it is the same link (the copy is no adopted parameter, so the store never finds it)."""
 
-    record = RUNTIME.store.lookup(param)
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, store=None):
+        self._ref = weakref.ref(store) if store is not None else None
+
+    def store(self):
+        """The store, or None (collected, or a link that went through pickle)."""
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self):
+        return (_StoreLink, ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def rest(param: torch.nn.Parameter, store) -> None:
+    """Mark adopted stage-3 ``param`` resting: a :class:`RestingParameter` (if still a plain parameter)
+    linked to ``store``, the one the guard asks for its record (:func:`record_of`)."""
+    param._zinf_store = _StoreLink(store)
+    if type(param) is torch.nn.Parameter:
+        param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
+
+
+def record_of(param):
+    """``(store, record)`` of a resting parameter, through the store :func:`rest` linked it to;
+    ``(None, None)`` for a tensor no store made rest (an alias), or whose store is gone."""
+    link = getattr(param, "_zinf_store", None)
+    store = link.store() if isinstance(link, _StoreLink) else None
+    record = store.lookup(param) if store is not None else None
+    return (store, record) if record is not None else (None, None)
+
+
+def _name(param) -> str:
+    _, record = record_of(param)
     return record.name if record is not None else "a parameter"
 
 
@@ -182,9 +223,7 @@ def _refuse(func, param) -> None:
 
 
 def _assign(param, value):
-    from .process import RUNTIME
-
-    record = RUNTIME.store.lookup(param)
+    store, record = record_of(param)
     if record is None:
         _refuse(torch.Tensor.copy_, param)
     if torch.is_grad_enabled() and param.requires_grad:
@@ -193,7 +232,7 @@ def _assign(param, value):
             f"(model.load_state_dict does)")
     if _is_whole_alias_of(value, record):
         return param  # in eager this alias holds the parameter's current value: copying it changes nothing
-    RUNTIME.store.assign_full(record, value)
+    store.assign_full(record, value)
     return param
 
 
@@ -205,10 +244,11 @@ def _is_whole_alias_of(value, record) -> bool:
             and value.storage_offset() == 0 and value.is_contiguous())
 
 
-def guard_aliases(params) -> set[int]:
+def guard_aliases(params, lookup) -> set[int]:
     """Just before stage 3 frees these parameters' storages: guard the Python tensors sharing one.
 
-    ``params``: ``(parameter, record uid, name)`` triples.  A plain tensor sharing
+    ``params``: ``(parameter, record uid, name)`` triples; ``lookup``: the store's
+    ``lookup`` (a parameter's record, or None if it adopted none).  A plain tensor sharing
     a parameter's storage becomes a :class:`RestingAlias`, a plain parameter a
     :class:`RestingParameter` (both raise instead of reading freed memory).
     Returns the ``id()`` of each parameter whose storage something else holds
@@ -226,8 +266,6 @@ def guard_aliases(params) -> set[int]:
             owners[storage._cdata] = {"param": param, "uid": uid, "name": name, "others": others, "found": []}
     if not owners:
         return set()
-    from .process import RUNTIME
-
     with DisableTorchFunctionSubclass():
         for value in gc.get_objects():
             if not issubclass(type(value), torch.Tensor):
@@ -238,7 +276,7 @@ def guard_aliases(params) -> set[int]:
                 continue  # no storage (a wrapper subclass, a sparse tensor)
             if owner is None or value is owner["param"]:
                 continue
-            if isinstance(value, torch.nn.Parameter) and RUNTIME.store.lookup(value) is not None:
+            if isinstance(value, torch.nn.Parameter) and lookup(value) is not None:
                 continue  # another adopted parameter on this storage: the storage stays whole for it
             if type(value) is torch.Tensor:
                 value.__class__ = RestingAlias

@@ -24,19 +24,23 @@ from typing import Callable, Iterable
 
 import torch
 
-from .aio import ALIGNMENT, AioEngine
+from .aio import AioEngine
 from .comm import Comm, MeshComm
 from .host_memory import available_bytes, ranks_on_node
-from .nvme_adam import SUB_GROUP_NUMEL, state_key, sub_groups, write_initial_master
+from .swap_folders import FolderWatch
+from .swap_layout import ALIGNMENT, SUB_GROUP_NUMEL, state_key, sub_groups
 from .pinned import PinnedPool
-from .resting import RestingParameter, guard_aliases
+from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
-from .records import (DEFAULT_BUCKET_BYTES, DTYPES, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord,
-                      checked_tile_rows, local_slice, move_to_empty_storage, nbytes_of, padded_view, tier_memory)
+from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, checked_tile_rows, local_slice,
+                      move_to_empty_storage, nbytes_of, padded_view, tier_memory)
 from .store_accounting import StoreAccounting
 from .store_fetch import FetchSteps
 from .store_grads import GradientSteps
+from .store_offload import OffloadResources
 from .store_publish import PublishSteps
+from .store_values import (local_value_chunks, params_in_master, place_master, place_shard, shard_is_param,
+                           steps_in_backward, write_local)
 from .transfers import TransferTable
 from .units import Unit
 
@@ -65,19 +69,17 @@ class _ParamRef(weakref.ref):
 class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     """Every adopted parameter of the process: its record, and the resources its transfers use.
 
-    Split by concern: this file holds adoption, lookup and the offload
-    resources (swap engines, the pinned pool); :class:`FetchSteps` the
+    Split by concern: this file holds adoption, lookup and forgetting;
+    :class:`~.store_offload.OffloadResources` the swap engines and the pinned
+    pool, runtime/store_values.py a record's values on its tiers (placed,
+    overwritten, streamed out); :class:`FetchSteps` the
     parameter fetches (nc, cg, gather), :class:`GradientSteps` the gradients'
     reduction and accumulation, :class:`PublishSteps` what follows an
     optimizer step, :class:`StoreAccounting` the bytes held and the models'
     ledgers.  They share the state made here.
     """
 
-    def __init__(self, comm: Comm | None = None):
-        if comm is None:  # a store of its own (unit tests) shares the process's group
-            from .process import RUNTIME  # (it imports this module)
-
-            comm = RUNTIME.comm
+    def __init__(self, comm: Comm, folder_watch: FolderWatch | None = None):
         self.comm = comm  # the process's default group: parameters adopted without a mesh shard over it
         self.copier = comm.copier  # cg copies (CPU or pinned -> device): the process's
         self._records: dict[int, ParamRecord] = {}
@@ -90,11 +92,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         self._owned_bytes_by_rank: dict[int, int] = {}
         self._grad_ram_reserved = 0  # bytes of nvme-tier gradients adopted to stay in RAM (nvme_grad_ram_bytes)
         self._grad_ram_auto: int | None = None  # nvme_grad_ram_bytes="auto": this process's budget, fixed once
-        # NVMe swap and the pinned pool: made on first need (see configure_offload).
-        self._engines: dict[str, AioEngine] = {}
-        self.pinned: PinnedPool | None = None
-        self._offload_settings: dict = {}
-        self._largest_shard_numel = 0  # of every parameter planned for offload (sizes the pinned pool)
+        # NVMe swap and the pinned pool: made on first need (see configure_offload). The folder watch
+        # removes the engines' folders on SIGTERM (None: each engine its own).
+        self.offload = OffloadResources(comm.tracer, folder_watch, lambda nbytes: self._add_resting("cpu", nbytes))
         self._grad_writes: list = []  # in-flight gradient swap writes: (request, pinned buffer, record)
         # uid -> why its gradient in the swap files is incomplete (a failed write or
         # read); the step refuses it until drop_grads (opt.zero_grad()) discards it.
@@ -116,53 +116,24 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     def configure_offload(self, nvme_path: str | None, pinned_bytes, aio_block_size: int, aio_queue_depth: int,
                           aio_threads: int, nvme_copies: int = 2) -> None:
         """Settings for the parameters adopted next: their swap folder and the pinned pool."""
-        if self.pinned is not None and pinned_bytes not in ("auto", self.pinned.capacity_bytes):
-            raise ZinfStoreError(
-                f"pinned_bytes={pinned_bytes} asked after the pinned pool was made with "
-                f"{self.pinned.capacity_bytes:,} bytes; use one pinned_bytes per process"
-            )
-        self._offload_settings = dict(nvme_path=nvme_path, pinned_bytes=pinned_bytes, aio_block_size=aio_block_size,
-                                      aio_queue_depth=aio_queue_depth, aio_threads=aio_threads,
-                                      nvme_copies=nvme_copies)
+        self.offload.configure(nvme_path, pinned_bytes, aio_block_size, aio_queue_depth, aio_threads, nvme_copies)
 
-    def _engine_for(self, nvme_path: str) -> AioEngine:
-        """One swap engine per nvme_path (two models may swap to different disks)."""
-        engine = self._engines.get(nvme_path)
-        if engine is None:
-            settings = self._offload_settings
-            engine = self._engines[nvme_path] = AioEngine(
-                nvme_path, block_size=settings["aio_block_size"], queue_depth=settings["aio_queue_depth"],
-                threads=settings["aio_threads"], copies=settings.get("nvme_copies", 2))
-        elif engine.copies != self._offload_settings.get("nvme_copies", engine.copies):
-            raise ZinfStoreError(
-                f"nvme_copies={self._offload_settings['nvme_copies']} asked for {nvme_path}, whose swap engine "
-                f"was made with nvme_copies={engine.copies}; use one value per nvme_path")
-        return engine
+    @property
+    def pinned(self) -> PinnedPool | None:
+        """The process's pinned pool (None until first needed)."""
+        return self.offload.pinned
 
     def engines(self) -> list[AioEngine]:
         """The swap engines, one per nvme_path."""
-        return list(self._engines.values())
+        return list(self.offload.engines_by_path.values())
 
     def plan_shards(self, largest_shard_numel: int) -> None:
         """Before adoption: the largest slice any offloaded parameter will have (sizes the pool)."""
-        self._largest_shard_numel = max(self._largest_shard_numel, largest_shard_numel)
+        self.offload.plan_shards(largest_shard_numel)
 
     def pinned_pool(self, at_least: int) -> PinnedPool:
-        """The process's pinned pool, made on first need (``pinned_bytes``, or sized from the shards and
-        ``at_least``, the bytes the caller is about to take)."""
-        if self.pinned is None:
-            wanted = self._offload_settings.get("pinned_bytes", "auto")
-            if wanted == "auto":
-                # Two of the largest fp32 slices (a fetch in flight while the
-                # optimizer stages one) plus the optimizer's twelve sub-group
-                # buffers (three groups of master, two moments and gradient in flight).
-                largest = max([r.local_numel * 4 for r in self._records.values()]
-                              + [at_least, self._largest_shard_numel * 4])
-                group = min(largest, SUB_GROUP_NUMEL * 4)
-                wanted = max(64 << 20, 2 * largest + 12 * group)
-            self.pinned = PinnedPool(int(wanted))
-            self._add_resting("cpu", self.pinned.capacity_bytes)
-        return self.pinned
+        """The process's pinned pool, made on first need (see :meth:`OffloadResources.pinned_pool`)."""
+        return self.offload.pinned_pool(at_least, self._records.values())
 
     def write_param(self, record: ParamRecord, staging, hold: bool = False) -> list:
         """Start writing a whole shard staged in ``staging`` to its swap keys.
@@ -192,35 +163,16 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             work.advance()
 
     def prefetch_pinned_bytes(self) -> int | None:
-        """Pinned bytes the graph's nc reads may hold at once (None: no pool, nothing read from NVMe).
-
-        The pool less what gradient writes to NVMe use during backward and
-        one largest shard of slack for first-fit fragmentation; never less
-        than one largest shard (a fetch without prefetch needs that much).
-        """
-        if self.pinned is None:
-            return None
-        records = list(self._records.values())
-        largest = max([r.shard_bytes for r in records if r.param_tier == "nvme"] + [0])
-        group = min(max([r.local_numel * 4 for r in records] + [0]), SUB_GROUP_NUMEL * 4)
-        reserve = (GRAD_WRITES_IN_FLIGHT + 1) * group if any(r.opt_tier == "nvme" for r in records) else 0
-        return max(self.pinned.capacity_bytes - reserve - largest, largest)
+        """Pinned bytes the graph's nc reads may hold at once (see :meth:`OffloadResources.prefetch_pinned_bytes`)."""
+        return self.offload.prefetch_pinned_bytes(list(self._records.values()))
 
     def write_swap(self, engine: AioEngine, key: str, tensor: torch.Tensor) -> None:
         """Write a flat tensor to the swap file ``key`` through the pinned pool (synchronous)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        with self.pinned_pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS) as staging:
-            staging.tensor(tensor.dtype, tensor.numel()).copy_(tensor)
-            engine.write(key, staging, nbytes).wait()
+        self.offload.write_swap(engine, key, tensor, self._records.values())
 
     def read_swap(self, engine: AioEngine, key: str, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         """Read the swap file ``key`` into a new tensor on ``device`` (synchronous)."""
-        nbytes = numel * dtype.itemsize
-        out = torch.empty(numel, dtype=dtype, device=device)
-        with self.pinned_pool(nbytes).acquire(nbytes, timeout=POOL_WAIT_SECONDS) as staging:
-            engine.read(key, staging, nbytes).wait()
-            out.copy_(staging.tensor(dtype, numel))
-        return out
+        return self.offload.read_swap(engine, key, dtype, numel, device, self._records.values())
 
     # --- adoption -------------------------------------------------------------
 
@@ -283,7 +235,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             compute_dtype = param.dtype if exact else DTYPES[param_dtype]
             holding_dtype = param.dtype if exact else torch.float32
             tile_rows = None if exact else checked_tile_rows(tile_rows, param)
-            tile_align = (4096 // compute_dtype.itemsize
+            tile_align = (ALIGNMENT // compute_dtype.itemsize
                           if tile_rows is not None and param_tier == "nvme" and partition == "allgather" else 1)
             owner = None
             if partition == "broadcast":
@@ -312,11 +264,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 local = local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
                                      tile_align)
             record.shard = local.new_empty(0, dtype=compute_dtype)
-            # Each master key must start on a block boundary to be read straight into the staging.
-            record.params_in_master = (param_tier == "nvme" and opt_tier == "nvme" and stage > 0
-                                       and compute_dtype == torch.float32 and tile_align == 1 and param.requires_grad
-                                       and all(start * 4 % ALIGNMENT == 0
-                                               for start, _ in sub_groups(record.local_numel)))
+            record.params_in_master = params_in_master(record, param.requires_grad)
             grad_bytes = record.local_numel * 4
             if opt_tier == "nvme" and grad_ram_bytes == "auto":
                 grad_ram_bytes = self._auto_grad_ram_bytes()
@@ -324,18 +272,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 record.grad_in_ram = True
                 self._grad_ram_reserved += grad_bytes
             if "nvme" in (param_tier, opt_tier):
-                record.swap = self._engine_for(self._offload_settings["nvme_path"])
-            if step_in_backward == "auto":
-                # On: with the compute on an accelerator the CPU and the disk idle through backward.
-                # On a CPU device too since the gradients stay in RAM by default (nvme_grad_ram_bytes
-                # "auto"): backward then writes no gradients, and the early step's reads and writes fill
-                # the idle disk (1.04-1.29x at world 2, 1.02-1.32x at world 1 in three runs;
-                # benchmarks/RESULTS.md, session 17). Session 13, with every gradient written to disk,
-                # measured -12% to +10%.
-                step_in_backward = True
-            record.step_in_backward = (step_in_backward and stage == 3 and param_tier == "nvme"
-                                       and opt_tier == "nvme" and not exact and param.requires_grad
-                                       and record.swap.copies == 2)
+                record.swap = self.offload.engine()
+            record.step_in_backward = steps_in_backward(record, step_in_backward, param.requires_grad)
             self._records[uid] = record
             self._pending_ledgers.pop(id(param), None)
             # The callback runs when the parameter is collected; it must not hold the parameter.
@@ -343,45 +281,10 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             record.full_storage_bytes = nbytes_of(param)
             self._add_resting("device", record.full_storage_bytes,
                               ledger=record.ledger)  # until release_full_storage (stage 3)
-            record.shard_is_param = (stage in (1, 2) and world_size == 1 and partition == "allgather"
-                                     and tile_rows is None and param_tier == "device" and not exact
-                                     and compute_dtype == param.dtype and read_local is None)
-            self._place_shard(record, local)
-            self._place_master(record, local)
+            record.shard_is_param = shard_is_param(record, param, from_file=read_local is not None)
+            place_shard(record, local, self, self._add_resting)
+            place_master(record, local, self, self._add_resting)
             return record
-
-    def _place_shard(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
-        """Put this rank's slice, in compute dtype, on the parameter tier."""
-        if record.shard_is_param:
-            record.shard = record.param.detach().view(-1)  # its bytes are the parameter's own
-            return
-        if record.param_tier == "nvme":
-            if record.owns_state and not record.params_in_master:  # else _place_master writes it
-                for key, start, numel in record.swap_layout():
-                    self.write_swap(record.swap, key, local_fp32[start : start + numel].to(record.compute_dtype))
-            return
-        device = record.device if record.param_tier == "device" else torch.device("cpu")
-        shard = local_fp32.to(device=device, dtype=record.compute_dtype, copy=True)
-        if record.param_tier == "cpu" and torch.cuda.is_available():
-            shard = shard.pin_memory()  # asynchronous host-to-device copies need page-locked memory
-        record.shard = shard
-        self._add_resting(tier_memory(record.param_tier), nbytes_of(shard), ledger=record.ledger)
-
-    def _place_master(self, record: ParamRecord, local_fp32: torch.Tensor) -> None:
-        """The fp32 master on the optimizer tier; the shard itself where they coincide."""
-        if record.stage == 0 or not record.dtype.is_floating_point:
-            return  # nothing to step (an integer parameter never has a gradient)
-        if record.opt_tier == "nvme":
-            # A frozen parameter is never stepped (params_in_master: the master is its only copy).
-            if record.owns_state and (record.trainable or record.params_in_master):
-                write_initial_master(self, record, local_fp32)
-            return
-        if record.param_tier == record.opt_tier and record.compute_dtype == torch.float32:
-            record.master = record.shard
-            return
-        device = record.device if record.opt_tier == "device" else torch.device("cpu")
-        record.master = local_fp32.to(device=device, copy=True)
-        self._add_resting(tier_memory(record.opt_tier), nbytes_of(record.master), ledger=record.ledger)
 
     def _auto_grad_ram_bytes(self) -> int:
         """``nvme_grad_ram_bytes="auto"``: an eighth of the memory available when first asked, shared by the
@@ -401,7 +304,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         empty storage of its own and leaves the old one, whole, to its holders.
         """
         releasing = {id(r): r for r in records if r.stage == 3 and r.param.untyped_storage().nbytes() > 0}
-        kept = guard_aliases([(r.param, r.uid, r.name) for r in releasing.values()])
+        kept = guard_aliases([(r.param, r.uid, r.name) for r in releasing.values()], self.lookup)
         for record in releasing.values():
             param = record.param
             self._add_resting("device", -param.untyped_storage().nbytes(), ledger=record.ledger)
@@ -410,8 +313,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 move_to_empty_storage(param)
             else:
                 param.untyped_storage().resize_(0)
-            if type(param) is torch.nn.Parameter:
-                param.__class__ = RestingParameter  # touched outside zinf: an error, not a segfault
+            rest(param, self)  # a RestingParameter, whose guard asks this store for its record
 
     def hold_full_storage(self, record: ParamRecord) -> bool:
         """Stage 3 (``zinf.gathered``): give a resting parameter its full storage back, holding its
@@ -452,47 +354,11 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         if local.numel() != record.local_numel:
             raise ZinfStoreError(f"{record.name}: a local slice of {local.numel()} elements for a shard of "
                                  f"{record.local_numel}")
-        if record.param_tier == "nvme":
-            if record.owns_state and not record.params_in_master:  # else the master below is the shard
-                for key, start, numel in record.swap_layout():
-                    self.write_swap(record.swap, key, local[start : start + numel].to(record.compute_dtype))
-        else:
-            record.shard.copy_(local)
-        if record.stage == 0 or not record.dtype.is_floating_point:
-            return
-        if record.opt_tier == "nvme":
-            if record.owns_state and (record.trainable or record.params_in_master):
-                write_initial_master(self, record, local.to(torch.float32))
-        elif record.master is not None and record.master is not record.shard:
-            record.master.copy_(local)
+        write_local(record, local, self)
 
     def local_value_chunks(self, record: ParamRecord, chunk_numel: int = SUB_GROUP_NUMEL):
-        """This rank's slice of the parameter's value, streamed: ``(local_start, tensor on the CPU)`` in order.
-
-        The most precise copy there is: the fp32 master (in memory or its
-        swap files), else the shard (compute dtype on its tier) in
-        ``record.holding_dtype``.  Never more than one chunk (or one swap
-        key) in memory at a time.
-        """
-        dtype = record.holding_dtype
-        if record.master is not None:
-            source = record.master
-        elif (record.opt_tier == "nvme" and record.stage > 0 and record.dtype.is_floating_point
-              and record.owns_state and record.trainable):
-            for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-                yield start, self.read_swap(record.swap, state_key("master", record.uid, index), torch.float32,
-                                             stop - start, torch.device("cpu"))
-            return
-        elif record.param_tier == "nvme":
-            if record.owns_state:
-                for key, start, numel in record.swap_layout():
-                    piece = self.read_swap(record.swap, key, record.compute_dtype, numel, torch.device("cpu"))
-                    yield start, piece.to(dtype)
-            return
-        else:
-            source = record.shard
-        for start in range(0, source.numel(), chunk_numel):
-            yield start, source[start : start + chunk_numel].to(device="cpu", dtype=dtype)
+        """This rank's slice of the parameter's value, streamed (see :func:`.store_values.local_value_chunks`)."""
+        return local_value_chunks(record, self, chunk_numel)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
         """The record of ``param`` (this very tensor object, alive), or None if it was never adopted."""

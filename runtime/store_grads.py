@@ -9,7 +9,7 @@ import torch
 from .aio import AioError
 from .buckets import bucket_runs
 from .collectives import finish_reduce, padded_rows, start_reduce
-from .nvme_adam import state_key, sub_groups
+from .swap_layout import state_key, sub_groups
 from .grad_hooks import run_grad_hooks
 from .ledger import ZinfStoreError
 from .transfers import TransferState as State

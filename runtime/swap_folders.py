@@ -19,7 +19,8 @@ import stat
 import threading
 
 
-from .aio_requests import ALIGNMENT, AioError, human_bytes
+from .aio_requests import AioError, human_bytes
+from .swap_layout import ALIGNMENT
 
 log = logging.getLogger("zinf")
 
@@ -61,13 +62,16 @@ def validate_folder(folder: str | None, needed_bytes: int) -> None:
 class FolderWatch:
     """The swap folders of a process's open engines, removed if a SIGTERM ends the process.
 
-    One per process (``Runtime.swap_folders``); its handler is a bound method,
-    so the signal reaches the folders without an import or a lock.
+    One per process (``Runtime.swap_folders``), handed to each engine it builds;
+    an engine built alone (tests, benchmarks) makes its own.  Its handler is a
+    bound method, so the signal reaches the folders without an import or a
+    lock; a second watch installs over a first and calls it after its own.
     """
 
     def __init__(self) -> None:
         self._folders: dict[int, str] = {}  # id(owner) -> the swap folder of an open engine
         self._installed = False
+        self._next_handler = None  # the watch installed before this one (its handler runs after)
 
     def watch(self, owner: object, folder: str) -> None:
         """Remove ``folder`` if a SIGTERM ends the process while ``owner`` (an engine's state) is open."""
@@ -87,14 +91,22 @@ class FolderWatch:
         # files of unlinked swap keys just vanish when the process ends right after.
         for folder in list(self._folders.values()):
             shutil.rmtree(folder, ignore_errors=True)
+        if self._next_handler is not None:
+            self._next_handler(signum, frame)  # the earlier watch's folders, then the default action
+            return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
     def _install(self) -> None:
-        """Install the SIGTERM cleanup once, only over the default action (a user's own handler is kept)."""
+        """Install the SIGTERM cleanup once, only over the default action or another watch's (a user's own
+        handler is kept)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        current = signal.getsignal(signal.SIGTERM)
+        if getattr(current, "__func__", None) is FolderWatch._remove_folders_then_die:
+            self._next_handler = current
+            signal.signal(signal.SIGTERM, self._remove_folders_then_die)
+        elif current is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, self._remove_folders_then_die)
         self._installed = True
 

@@ -1,6 +1,6 @@
 """A timeline of one training step: compute, transfers and bytes per tier.
 
-With ``dump_dir`` set, the backend arms the process's tracer (``RUNTIME.tracer``, runtime/process.py) for optimizer step
+With ``dump_dir`` set, the backend arms the process's tracer (``Runtime.tracer``, runtime/process.py) for optimizer step
 ``trace_step`` (default 2: the first step pays for compilation).  Recording
 starts when step ``trace_step - 1`` returns from ``optimizer.step()`` (or at
 the first forward, for ``trace_step=1``) and ends when step ``trace_step``

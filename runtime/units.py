@@ -32,13 +32,8 @@ import functools
 
 import torch
 
-from .nvme_adam import state_key, sub_groups
-
-ALIGNMENT = 4096  # O_DIRECT reads and the pinned pool's blocks (see aio.py, pinned.py)
-
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+from .swap_layout import align as _align
+from .swap_layout import param_key, state_key, sub_groups, tile_key
 
 
 class ZinfUnitError(RuntimeError):
@@ -157,7 +152,7 @@ class ParamLayout:
     @property
     def param_key(self) -> str:
         """The swap key of the parameter's shard (nvme tier)."""
-        return f"param.{self.uid}"
+        return param_key(self.uid)
 
     def swap_layout(self) -> list[tuple[str, int, int]]:
         """(swap key, first element, elements) of the nvme-tier shard: one key, one per tile, or the master's."""
@@ -169,7 +164,7 @@ class ParamLayout:
         layout = []
         for tile in range(len(self.tile_rows)):
             start, _ = self.tile_local_range(tile)
-            layout.append((f"{self.param_key}.t{tile}", start, self.tile_slot_numel(tile)))
+            layout.append((tile_key(self.uid, tile), start, self.tile_slot_numel(tile)))
         return layout
 
     def owned_ranges(self) -> list[tuple[int, int, int]]:

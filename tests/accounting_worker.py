@@ -22,7 +22,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime.host_memory import trim
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from multirank import finish_rank, start_rank, wait_for_rank
 from zinf_compiler.runtime.comm import ZinfCollectiveTimeout
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -10,7 +10,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.options import ZinfOptionError, parse_options
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 from equivalence import compare_training
 from multirank import run_ranks

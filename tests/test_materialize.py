@@ -6,7 +6,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime import nvme_adam
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 
 @pytest.fixture

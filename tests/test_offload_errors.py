@@ -10,7 +10,7 @@ import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime import aio as aio_module
 from zinf_compiler.runtime.aio import AioChecksumError, AioError
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
 BATCHES = synthetic_batches(CFG, 4, 3)

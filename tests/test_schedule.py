@@ -18,7 +18,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.dump import read_index
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

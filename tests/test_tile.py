@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from zinf_compiler.dump import read_index
 from zinf_compiler.options import parse_options
 from zinf_compiler.tile_plan import choose_factor, split_rows, working_set_bytes
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 FORMS = ("linear", "x_wt", "x_w", "w_x", "wt_x")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

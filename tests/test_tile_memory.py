@@ -79,7 +79,7 @@ def test_tile_factor_8_working_set_is_a_quarter_of_untiled():
     import torch.nn as nn
 
     import zinf_compiler as zinf
-    from zinf_compiler.runtime.process import RUNTIME
+    from zinf_compiler.api import RUNTIME
 
     peaks = {}
     weight_bytes = 4096 * 256 * 4

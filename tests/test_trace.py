@@ -15,7 +15,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.runtime.trace import TRACKS, TRANSFER_TRACKS, union_seconds
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
 

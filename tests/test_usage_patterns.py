@@ -14,7 +14,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.runtime.resting import ZinfRestingParameterError
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 from usage import Pair, seeded, train_interleaved
 
 STAGE3 = {"stage": 3}  # the default lowering (Inductor), as users get it

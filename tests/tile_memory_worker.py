@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import zinf_compiler as zinf
 from zinf_compiler.runtime.host_memory import trim
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 from accounting_worker import rss
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         return wrapper
 
     RUNTIME.store._add_transient, RUNTIME.store._add_resting = sampled(book_transient), sampled(book_resting)
-    read_before = sum(engine.bytes_read for engine in RUNTIME.store._engines.values())
+    read_before = sum(engine.bytes_read for engine in RUNTIME.store.engines())
     try:
         train_step()
     finally:
@@ -78,7 +78,7 @@ def main() -> None:
         "accounted_growth": max(a for a, _ in samples) - baseline_accounted,
         "rss_growth": max(r for _, r in samples) - baseline_rss,
         "weight_bytes": weight_bytes,
-        "bytes_read": sum(engine.bytes_read for engine in RUNTIME.store._engines.values()) - read_before,
+        "bytes_read": sum(engine.bytes_read for engine in RUNTIME.store.engines()) - read_before,
         "tile_rows": {name: RUNTIME.store.lookup(p).tile_rows for name, p in model.named_parameters()},
     }))
 

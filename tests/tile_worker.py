@@ -11,7 +11,7 @@ import os
 
 from zero_worker import train
 from zinf_compiler.gpt import GPTConfig
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 from multirank import finish_rank, start_rank
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.api import RUNTIME
 from multirank import finish_rank, start_rank
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, fused=True)

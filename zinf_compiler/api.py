@@ -11,10 +11,13 @@ import contextlib
 
 import torch
 
-from zinf_compiler.runtime.process import RUNTIME
+from zinf_compiler.runtime.process import Runtime
 from zinf_compiler.runtime.store import ParamStore
-
 from zinf_compiler.runtime.tiers import TIERS
+
+# The process's runtime (runtime/process.py): the one instance, read only by the entry layer
+# (this file, backend.py, optim.py), which hands its parts to everything else.
+RUNTIME = Runtime()
 
 KINDS = ("params", "grads", "optimizer", "activations")
 

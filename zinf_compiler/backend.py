@@ -37,7 +37,7 @@ from .runtime import agreement
 from .runtime.binding import Binding, bind_backward, bound, compiled_backward_nodes
 from .runtime.grad_hooks import claim_grad_hooks
 from .runtime.binding import active as binding_active
-from .runtime.process import RUNTIME
+from .api import RUNTIME
 from .runtime.store import DTYPES, ZinfStoreError
 from .runtime.units import layout_of
 from .dump import GraphDumper
@@ -52,7 +52,7 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: d
     """The backend entry point (registered as ``"zinf"``)."""
     from zinf_compiler.passes import pass_names
 
-    parsed = parse_options(options, known_passes=pass_names())
+    parsed = parse_options(options, known_passes=pass_names(), comm=RUNTIME.comm)
     if parsed.stage >= 2 and not torch._dynamo.config.fail_on_recompile_limit_hit:
         # Past the recompile limit Dynamo would run the frame eagerly: eager code
         # cannot read stage-3 parameters (they hold no memory), and at stage 2 its
@@ -255,7 +255,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
         if captured.options.stage >= 2:
             for slot, record in records.items():
                 claim_grad_hooks(args[slot], record.name, tiled=record.tile_rows is not None)
-        return Binding(records, captured.graph_id, RUNTIME.store)
+        return Binding(records, captured.graph_id, RUNTIME.store, RUNTIME.activations)
 
     def run(*args):
         # Boxed (one list of inputs) or not, as Dynamo calls ``compiled``: graph
@@ -269,8 +269,11 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
                                            what=f"broadcast of graph {captured.graph_id}'s buffers from rank 0",
                                            timeout=captured.options.collective_timeout)
         if captured.options.stage == 0:
-            # Stage 0: no parameter is bound; the graph's ops (stage-0 all-reduce) name none.
-            outputs = compiled(*args)
+            # Stage 0: no parameter is bound; the graph's ops (stage-0 all-reduce) name none, only the parts.
+            binding = Binding({}, captured.graph_id, RUNTIME.store, RUNTIME.activations)
+            with bound(binding):
+                outputs = compiled(*args)
+            bind_backward(outputs, binding)
             if check_calls:
                 _agree_before_backward(outputs, captured)
             RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), None)
@@ -353,6 +356,9 @@ def materialize(model: torch.nn.Module, options: Mapping[str, Any] | None = None
 
     See :func:`zinf_compiler.materialize.materialize` (which is handed the store) for the arguments and contract.
     """
+    from . import torch_patches
+
+    torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # sharded parameters exist from here on (see torch_patches)
     return materializing.materialize(RUNTIME.store, model, options, init_fn=init_fn, device=device,
                                      progress=progress, weights=weights)
 

@@ -68,10 +68,7 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
     named in a warning, as ``from_pretrained`` does; a shape that differs is
     an error, raised before anything is allocated.
     """
-    from . import torch_patches
-
-    torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # sharded parameters exist from here on (see torch_patches)
-    parsed = parse_options(options)
+    parsed = parse_options(options, comm=store.comm)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if parsed.stage != 3:

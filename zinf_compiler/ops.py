@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from zinf_compiler.runtime import binding
-from zinf_compiler.runtime.process import RUNTIME
 
 
 def _bound(slots: list[int], tile: int):
@@ -174,7 +173,7 @@ for _finishing_op in (release, reduce_grad_wait):
 def all_reduce_grad(grad: torch.Tensor) -> torch.Tensor:
     """Stage 0 (plain data parallel): the gradient averaged over ranks."""
     averaged = grad.clone()
-    RUNTIME.comm.all_reduce_avg(averaged).wait()
+    binding.current().store.comm.all_reduce_avg(averaged).wait()  # the default group's (every rank)
     return averaged
 
 
@@ -185,10 +184,13 @@ def _(grad):
 
 def _model_ledger():
     """The ledger of the model whose call is running (None at stage 0: no parameters are bound)."""
-    if not binding.active():
-        return None
     records = binding.current().records
     return next(iter(records.values())).ledger if records else None
+
+
+def _activations():
+    """The activation store of the call running (runtime/activations.py), handed to it by the backend."""
+    return binding.current().activations
 
 
 @torch.library.custom_op("zinf::act_offload_start", mutates_args=())
@@ -198,7 +200,7 @@ def act_offload_start(value: torch.Tensor, tier: str, nvme_path: str, name: str)
     The forward graph saves the handle (16 bytes of CPU memory with ``value``'s shape and dtype, every
     stride 0) for backward instead of ``value``.
     """
-    return RUNTIME.activations.offload_start(value, tier, nvme_path, name, _model_ledger())
+    return _activations().offload_start(value, tier, nvme_path, name, _model_ledger())
 
 
 def handle_like(value: torch.Tensor) -> torch.Tensor:
@@ -214,7 +216,7 @@ def _(value, tier, nvme_path, name):
 @torch.library.custom_op("zinf::act_offload_wait", mutates_args=())
 def act_offload_wait(handle: torch.Tensor, value: torch.Tensor) -> None:
     """The activation's copy off the device is done (``value``: read last here, so freed after)."""
-    RUNTIME.activations.offload_wait(handle)
+    _activations().offload_wait(handle)
 
 
 @act_offload_wait.register_fake
@@ -225,7 +227,7 @@ def _(handle, value):
 @torch.library.custom_op("zinf::act_fetch_start", mutates_args=())
 def act_fetch_start(handle: torch.Tensor) -> torch.Tensor:
     """Begin bringing a saved activation back to the device (backward); returns a token."""
-    RUNTIME.activations.fetch_start(handle)
+    _activations().fetch_start(handle)
     return torch.empty(0, dtype=torch.uint8)
 
 
@@ -238,7 +240,7 @@ def _(handle):
 def act_fetch_wait(token: torch.Tensor, handle: torch.Tensor, shape: list[int], stride: list[int],
                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Finish the fetch: the activation, with the shape, strides and dtype it was saved with."""
-    return RUNTIME.activations.fetch_wait(handle)
+    return _activations().fetch_wait(handle)
 
 
 @act_fetch_wait.register_fake

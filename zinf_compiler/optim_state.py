@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from zinf_compiler.runtime.nvme_adam import state_key, sub_groups
+from zinf_compiler.runtime.swap_layout import state_key, sub_groups
 from zinf_compiler.runtime.store import ParamRecord, ParamStore
 
 # What NvmeAdam keeps per slot in swap files besides the master (its step count stays in memory).

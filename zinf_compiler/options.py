@@ -143,9 +143,10 @@ def _name_list(value: Any) -> tuple[str, ...]:
 
 
 def _mesh(value: Any):
-    """None (the default group), a ProcessGroup, or a 1-D or 2-D DeviceMesh, as a runtime MeshComm."""
+    """None (the default group), a ProcessGroup, or a 1-D or 2-D DeviceMesh, as its validated groups
+    ``(shard group, replicate group or None)``: :func:`parse_options` makes them a runtime MeshComm of the
+    communicator it is handed (a MeshComm passes as it is)."""
     from .runtime.comm import MeshComm
-    from .runtime.process import RUNTIME
 
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
         return None
@@ -159,12 +160,12 @@ def _mesh(value: Any):
     if not dist.is_initialized():
         raise ValueError(accepted + " of an initialized torch.distributed (call init_process_group first)")
     if isinstance(value, dist.ProcessGroup):
-        return RUNTIME.comm.mesh(value)
+        return (value, None)
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(value, DeviceMesh):
         if value.ndim == 1:
-            return RUNTIME.comm.mesh(value.get_group(0))
+            return (value.get_group(0), None)
         if value.ndim == 2:
             if value.size(1) < 2:
                 raise ValueError("a 2-D DeviceMesh with at least 2 ranks per shard group (dim 1); to replicate "
@@ -172,7 +173,7 @@ def _mesh(value: Any):
             if value.size() != dist.get_world_size():
                 raise ValueError(f"a 2-D DeviceMesh spanning every rank (this one has {value.size()} of "
                                  f"{dist.get_world_size()}); shard a subset of ranks with a 1-D mesh or a ProcessGroup")
-            return RUNTIME.comm.mesh(value.get_group(1), value.get_group(0))
+            return (value.get_group(1), value.get_group(0))
         raise ValueError(f"{accepted}; got a {value.ndim}-D DeviceMesh (tensor parallel dims are not supported)")
     raise ValueError(f"{accepted}; got {type(value).__name__}")
 
@@ -301,7 +302,7 @@ class ZinfOptions:
     pinned_bytes: int | str
     collective_timeout: int
     rank_agreement: str
-    mesh: Any  # runtime.comm.MeshComm, or None: the default group
+    mesh: Any  # runtime.comm.MeshComm, or None: the default group (parsed without a comm: its groups)
     broadcast_buffers: bool
     lower: str
     dump_dir: str | None
@@ -321,8 +322,14 @@ def parse_options(
     options: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     known_passes: tuple[str, ...] | None = None,
+    comm: Any = None,
 ) -> ZinfOptions:
     """Merge ``options`` over ``ZINF_*`` environment variables and validate every value.
+
+    ``comm``: the process's default-group communicator (runtime/comm.py's ``Comm``, handed in by the
+    backend), which turns the option ``mesh`` into the :class:`~zinf_compiler.runtime.comm.MeshComm` the
+    runtime uses.  Without one (validating options only) a mesh is checked and kept as its groups,
+    ``(shard group, replicate group or None)``.
 
     Raises :class:`ZinfOptionError` for an unknown option name (listing the valid
     ones; an unknown ``ZINF_*`` variable only warns), a value that does not parse (saying what is accepted, and whether it
@@ -376,14 +383,37 @@ def parse_options(
             f"offload_param={values['offload_param']!r} needs stage=3 (at stages 0-2 every rank keeps full "
             f"parameters on the device); got stage={values['stage']}"
         )
-    if values["mesh"] is not None and not values["mesh"].is_default and values["stage"] == 0:
-        raise ZinfOptionError(f"option mesh ({values['mesh'].describe()}) needs stage 1, 2 or 3; stage 0 is plain "
+    if isinstance(values["mesh"], tuple) and comm is not None:
+        values["mesh"] = comm.mesh(*values["mesh"])
+    if values["mesh"] is not None and not _is_default_mesh(values["mesh"]) and values["stage"] == 0:
+        raise ZinfOptionError(f"option mesh ({_describe_mesh(values['mesh'])}) needs stage 1, 2 or 3; stage 0 is plain "
                               f"data parallel over every rank (DistributedDataParallel takes a process_group)")
     if values["offload_optimizer"] != "none" and values["stage"] == 0:
         raise ZinfOptionError("offload_optimizer needs a sharded optimizer: stage 1, 2 or 3 (got stage=0)")
     if "nvme" in (values["offload_param"], values["offload_optimizer"], values["offload_activations"]) and not values["nvme_path"]:
         raise ZinfOptionError("an 'nvme' offload needs nvme_path: set options={'nvme_path': '/path/to/fast/disk'}")
     return ZinfOptions(**values)
+
+
+def _is_default_mesh(mesh: Any) -> bool:
+    """A MeshComm, or groups not yet made one (see :func:`_mesh`), that shards over the default group."""
+    if isinstance(mesh, tuple):
+        import torch.distributed as dist
+
+        return mesh[1] is None and mesh[0] in (None, dist.GroupMember.WORLD)
+    return mesh.is_default
+
+
+def _describe_mesh(mesh: Any) -> str:
+    """Words for a mesh's shape, as ``MeshComm.describe`` says them, for a MeshComm or its groups."""
+    if not isinstance(mesh, tuple):
+        return mesh.describe()
+    import torch.distributed as dist
+
+    shard, replicate = mesh
+    if replicate is None:
+        return f"a group of {dist.get_world_size(shard)} ranks"
+    return f"a mesh of {dist.get_world_size(replicate)} replicas x {dist.get_world_size(shard)} shards"
 
 
 def describe_options() -> str:

@@ -20,6 +20,7 @@ import torch
 from zinf_compiler.runtime import early_adam, nvme_adam, store as store_module, store_grads, units
 from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.nvme_adam import NvmeAdam, state_key
+from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.store import ParamStore
 
 GROUP_NUMEL = 1024
@@ -37,7 +38,7 @@ class Side:
     """One store with its parameters on NVMe at stage 3 and an NvmeAdam over them, early or not."""
 
     def __init__(self, folder, early: bool, param_dtype: str = "fp32", grads_in_ram: bool = False):
-        self.store = ParamStore()
+        self.store = ParamStore(RUNTIME.comm)
         folder.mkdir()
         self.store.configure_offload(str(folder), 32 << 20, aio_block_size=1 << 20, aio_queue_depth=4,
                                      aio_threads=2)
@@ -222,7 +223,7 @@ def test_zero_grad_before_the_step_drops_the_early_steps_and_their_held_copies(s
     ("auto", 1, False),  # a held copy needs the second slot of nvme_copies=2
 ])
 def test_overlap_optimizer_auto_steps_in_backward_on_a_cpu_device(tmp_path, step_in_backward, copies, expected):
-    store = ParamStore()
+    store = ParamStore(RUNTIME.comm)
     store.configure_offload(str(tmp_path), 16 << 20, aio_block_size=1 << 20, aio_queue_depth=4, aio_threads=1,
                             nvme_copies=copies)
     param = torch.nn.Parameter(torch.randn(4, 8))

@@ -1,6 +1,6 @@
 """In-process unit tests of the store's transfers (issue 27: a fast tier; no compile, no process group).
 
-Each test builds a store of its own (``ParamStore()``, world size 1) and
+Each test builds a store of its own (``ParamStore(RUNTIME.comm)``, world size 1) and
 drives one unit through the steps the graph's ops take: nc (NVMe -> pinned
 buffer), cg (CPU or pinned -> device), gather, release, and the gradient's
 reduce, in the legal orders and in illegal ones, which must raise naming the
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from zinf_compiler.runtime.ledger import ZinfStoreError
+from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.store import ParamStore
 from zinf_compiler.runtime.transfers import LEGAL_TRANSITIONS, Transfer, TransferState as State, TransferTable
 from zinf_compiler.runtime.transfers import ZinfTransferError
@@ -24,7 +25,7 @@ from zinf_compiler.runtime.transfers import ZinfTransferError
 
 @pytest.fixture
 def store(tmp_path):
-    store = ParamStore()
+    store = ParamStore(RUNTIME.comm)
     store.configure_offload(str(tmp_path), 16 << 20, aio_block_size=1 << 20, aio_queue_depth=4, aio_threads=1)
     yield store
     for engine in store.engines():
@@ -229,7 +230,6 @@ def test_a_collected_parameter_frees_its_shard_and_its_counted_bytes(store):
 
 def test_a_parameter_keeps_the_mesh_it_was_adopted_with(store):
     from zinf_compiler.runtime.comm import MeshComm
-    from zinf_compiler.runtime.process import RUNTIME
 
     param = torch.nn.Parameter(torch.randn(4, 4))
     record = store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32")
@@ -242,7 +242,6 @@ def test_a_parameter_keeps_the_mesh_it_was_adopted_with(store):
 def test_the_graph_ops_reach_the_store_of_the_call_they_run_in(store):
     importlib.import_module("zinf_compiler.ops")  # registers torch.ops.zinf
     from zinf_compiler.runtime import binding
-    from zinf_compiler.runtime.process import RUNTIME
 
     expected, record = _adopt(store, "nvme")
     zinf, cpu = torch.ops.zinf, torch.device("cpu")

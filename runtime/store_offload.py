@@ -1,0 +1,119 @@
+"""The parameter store's offload resources: its swap engines and its pinned pool, made on first need.
+
+One :class:`OffloadResources` per store.  It is handed what it needs, nothing
+more: the tracer its engines draw on, the folder watch that removes their
+folders on SIGTERM, and the store's way to count the pinned pool's bytes; the
+records it sizes from are passed to the calls that read them.  Synchronous
+swap reads and writes through the pool are here too (adoption, checkpoints,
+the optimizer's first write of a master).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from .aio import AioEngine
+from .ledger import ZinfStoreError
+from .pinned import PinnedPool
+from .records import GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS
+from .swap_folders import FolderWatch
+from .swap_layout import SUB_GROUP_NUMEL
+from .trace import Tracer
+
+
+class OffloadResources:
+    """One engine per nvme_path and the process's pinned pool, with the settings they are made from.
+
+    ``tracer``: the timeline the engines' transfers are drawn on; ``folder_watch``:
+    what removes their folders on SIGTERM (None: each engine its own);
+    ``count_cpu(nbytes)``: counts the pool's bytes in the store's accounting.
+    """
+
+    def __init__(self, tracer: Tracer, folder_watch: FolderWatch | None, count_cpu: Callable[[int], None]):
+        self.tracer = tracer
+        self.folder_watch = folder_watch
+        self._count_cpu = count_cpu
+        self.engines_by_path: dict[str, AioEngine] = {}
+        self.pinned: PinnedPool | None = None
+        self.settings: dict = {}
+        self.largest_shard_numel = 0  # of every parameter planned for offload (sizes the pinned pool)
+
+    def configure(self, nvme_path: str | None, pinned_bytes, aio_block_size: int, aio_queue_depth: int,
+                  aio_threads: int, nvme_copies: int = 2) -> None:
+        """Settings for the parameters adopted next: their swap folder and the pinned pool."""
+        if self.pinned is not None and pinned_bytes not in ("auto", self.pinned.capacity_bytes):
+            raise ZinfStoreError(
+                f"pinned_bytes={pinned_bytes} asked after the pinned pool was made with "
+                f"{self.pinned.capacity_bytes:,} bytes; use one pinned_bytes per process"
+            )
+        self.settings = dict(nvme_path=nvme_path, pinned_bytes=pinned_bytes, aio_block_size=aio_block_size,
+                             aio_queue_depth=aio_queue_depth, aio_threads=aio_threads, nvme_copies=nvme_copies)
+
+    def engine(self) -> AioEngine:
+        """The swap engine of the configured nvme_path (one per path: two models may swap to different disks)."""
+        settings = self.settings
+        nvme_path = settings["nvme_path"]
+        engine = self.engines_by_path.get(nvme_path)
+        if engine is None:
+            engine = self.engines_by_path[nvme_path] = AioEngine(
+                nvme_path, block_size=settings["aio_block_size"], queue_depth=settings["aio_queue_depth"],
+                threads=settings["aio_threads"], copies=settings.get("nvme_copies", 2), tracer=self.tracer,
+                folder_watch=self.folder_watch)
+        elif engine.copies != settings.get("nvme_copies", engine.copies):
+            raise ZinfStoreError(
+                f"nvme_copies={settings['nvme_copies']} asked for {nvme_path}, whose swap engine "
+                f"was made with nvme_copies={engine.copies}; use one value per nvme_path")
+        return engine
+
+    def plan_shards(self, largest_shard_numel: int) -> None:
+        """Before adoption: the largest slice any offloaded parameter will have (sizes the pool)."""
+        self.largest_shard_numel = max(self.largest_shard_numel, largest_shard_numel)
+
+    def pinned_pool(self, at_least: int, records: Iterable) -> PinnedPool:
+        """The pinned pool, made on first need (``pinned_bytes``, or sized from ``records``' shards and
+        ``at_least``, the bytes the caller is about to take)."""
+        if self.pinned is None:
+            wanted = self.settings.get("pinned_bytes", "auto")
+            if wanted == "auto":
+                # Two of the largest fp32 slices (a fetch in flight while the
+                # optimizer stages one) plus the optimizer's twelve sub-group
+                # buffers (three groups of master, two moments and gradient in flight).
+                largest = max([r.local_numel * 4 for r in records] + [at_least, self.largest_shard_numel * 4])
+                group = min(largest, SUB_GROUP_NUMEL * 4)
+                wanted = max(64 << 20, 2 * largest + 12 * group)
+            self.pinned = PinnedPool(int(wanted))
+            self._count_cpu(self.pinned.capacity_bytes)
+        return self.pinned
+
+    def prefetch_pinned_bytes(self, records: list) -> int | None:
+        """Pinned bytes the graph's nc reads may hold at once (None: no pool, nothing read from NVMe).
+
+        The pool less what gradient writes to NVMe use during backward and
+        one largest shard of slack for first-fit fragmentation; never less
+        than one largest shard (a fetch without prefetch needs that much).
+        """
+        if self.pinned is None:
+            return None
+        largest = max([r.shard_bytes for r in records if r.param_tier == "nvme"] + [0])
+        group = min(max([r.local_numel * 4 for r in records] + [0]), SUB_GROUP_NUMEL * 4)
+        reserve = (GRAD_WRITES_IN_FLIGHT + 1) * group if any(r.opt_tier == "nvme" for r in records) else 0
+        return max(self.pinned.capacity_bytes - reserve - largest, largest)
+
+    def write_swap(self, engine: AioEngine, key: str, tensor: torch.Tensor, records: Iterable = ()) -> None:
+        """Write a flat tensor to the swap file ``key`` through the pinned pool (synchronous)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        with self.pinned_pool(nbytes, records).acquire(nbytes, timeout=POOL_WAIT_SECONDS) as staging:
+            staging.tensor(tensor.dtype, tensor.numel()).copy_(tensor)
+            engine.write(key, staging, nbytes).wait()
+
+    def read_swap(self, engine: AioEngine, key: str, dtype: torch.dtype, numel: int, device: torch.device,
+                  records: Iterable = ()) -> torch.Tensor:
+        """Read the swap file ``key`` into a new tensor on ``device`` (synchronous)."""
+        nbytes = numel * dtype.itemsize
+        out = torch.empty(numel, dtype=dtype, device=device)
+        with self.pinned_pool(nbytes, records).acquire(nbytes, timeout=POOL_WAIT_SECONDS) as staging:
+            engine.read(key, staging, nbytes).wait()
+            out.copy_(staging.tensor(dtype, numel))
+        return out

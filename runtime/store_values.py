@@ -1,0 +1,146 @@
+"""A parameter's values on its tiers: placed at adoption, overwritten by a load, streamed out for a save.
+
+Functions of a record and what they are handed: ``swap_io``, what writes and
+reads swap keys through the pinned pool (``write_swap`` / ``read_swap``: the
+store's), and ``count_resting(tier, nbytes, ledger)``, the store's count of
+resting bytes.  Also the adoption's pure decisions about where a record's
+bytes live (:func:`params_in_master`, :func:`shard_is_param`,
+:func:`steps_in_backward`), read from its layout alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .nvme_adam import write_initial_master
+from .records import ParamRecord, nbytes_of, tier_memory
+from .swap_layout import ALIGNMENT, SUB_GROUP_NUMEL, state_key, sub_groups
+
+CountResting = Callable[..., None]  # (tier, delta bytes, ledger=...)
+
+
+# --- where the bytes live (decided once, at adoption) --------------------------------------
+
+
+def params_in_master(record: ParamRecord, requires_grad: bool) -> bool:
+    """An fp32 nvme parameter with its optimizer on NVMe keeps no shard of its own: its reads go to the
+    master's keys.  Each master key must start on a block boundary to be read straight into the staging."""
+    return (record.param_tier == "nvme" and record.opt_tier == "nvme" and record.stage > 0
+            and record.compute_dtype == torch.float32 and record.tile_align == 1 and requires_grad
+            and all(start * 4 % ALIGNMENT == 0 for start, _ in sub_groups(record.local_numel)))
+
+
+def shard_is_param(record: ParamRecord, param: torch.Tensor, from_file: bool) -> bool:
+    """Stages 1-2 on one rank, untiled, on the device in the parameter's dtype: the shard is the parameter's own
+    bytes (``from_file``: values read by ``materialize``, never the parameter's)."""
+    return (record.stage in (1, 2) and record.world_size == 1 and record.partition == "allgather"
+            and record.tile_rows is None and record.param_tier == "device" and param.is_floating_point()
+            and record.compute_dtype == param.dtype and not from_file)
+
+
+def steps_in_backward(record: ParamRecord, option: bool | str, requires_grad: bool) -> bool:
+    """Whether the optimizer steps ``record`` during backward (the option overlap_optimizer: True, False or
+    "auto"); only stage-3 trainable float parameters with both tiers on NVMe and two copies per key."""
+    if option == "auto":
+        # On: with the compute on an accelerator the CPU and the disk idle through backward.
+        # On a CPU device too since the gradients stay in RAM by default (nvme_grad_ram_bytes
+        # "auto"): backward then writes no gradients, and the early step's reads and writes fill
+        # the idle disk (1.04-1.29x at world 2, 1.02-1.32x at world 1 in three runs;
+        # benchmarks/RESULTS.md, session 17). Session 13, with every gradient written to disk,
+        # measured -12% to +10%.
+        option = True
+    return bool(option and record.stage == 3 and record.param_tier == "nvme" and record.opt_tier == "nvme"
+                and record.dtype.is_floating_point and requires_grad and record.swap.copies == 2)
+
+
+# --- values in ---------------------------------------------------------------------------
+
+
+def place_shard(record: ParamRecord, local_fp32: torch.Tensor, swap_io, count_resting: CountResting) -> None:
+    """Put this rank's slice, in compute dtype, on the parameter tier."""
+    if record.shard_is_param:
+        record.shard = record.param.detach().view(-1)  # its bytes are the parameter's own
+        return
+    if record.param_tier == "nvme":
+        if record.owns_state and not record.params_in_master:  # else place_master writes it
+            for key, start, numel in record.swap_layout():
+                swap_io.write_swap(record.swap, key, local_fp32[start : start + numel].to(record.compute_dtype))
+        return
+    device = record.device if record.param_tier == "device" else torch.device("cpu")
+    shard = local_fp32.to(device=device, dtype=record.compute_dtype, copy=True)
+    if record.param_tier == "cpu" and torch.cuda.is_available():
+        shard = shard.pin_memory()  # asynchronous host-to-device copies need page-locked memory
+    record.shard = shard
+    count_resting(tier_memory(record.param_tier), nbytes_of(shard), ledger=record.ledger)
+
+
+def place_master(record: ParamRecord, local_fp32: torch.Tensor, swap_io, count_resting: CountResting) -> None:
+    """The fp32 master on the optimizer tier; the shard itself where they coincide."""
+    if record.stage == 0 or not record.dtype.is_floating_point:
+        return  # nothing to step (an integer parameter never has a gradient)
+    if record.opt_tier == "nvme":
+        # A frozen parameter is never stepped (params_in_master: the master is its only copy).
+        if record.owns_state and (record.trainable or record.params_in_master):
+            write_initial_master(swap_io, record, local_fp32)
+        return
+    if record.param_tier == record.opt_tier and record.compute_dtype == torch.float32:
+        record.master = record.shard
+        return
+    device = record.device if record.opt_tier == "device" else torch.device("cpu")
+    record.master = local_fp32.to(device=device, copy=True)
+    count_resting(tier_memory(record.opt_tier), nbytes_of(record.master), ledger=record.ledger)
+
+
+def write_local(record: ParamRecord, local: torch.Tensor, swap_io) -> None:
+    """Write this rank's new slice (local layout, ``record.holding_dtype``) into its shard and master.
+
+    The shard takes it in compute dtype on the parameter tier; the fp32
+    master (memory or swap files) takes it as it is.
+    """
+    if record.param_tier == "nvme":
+        if record.owns_state and not record.params_in_master:  # else the master below is the shard
+            for key, start, numel in record.swap_layout():
+                swap_io.write_swap(record.swap, key, local[start : start + numel].to(record.compute_dtype))
+    else:
+        record.shard.copy_(local)
+    if record.stage == 0 or not record.dtype.is_floating_point:
+        return
+    if record.opt_tier == "nvme":
+        if record.owns_state and (record.trainable or record.params_in_master):
+            write_initial_master(swap_io, record, local.to(torch.float32))
+    elif record.master is not None and record.master is not record.shard:
+        record.master.copy_(local)
+
+
+# --- values out --------------------------------------------------------------------------
+
+
+def local_value_chunks(record: ParamRecord, swap_io, chunk_numel: int = SUB_GROUP_NUMEL):
+    """This rank's slice of the parameter's value, streamed: ``(local_start, tensor on the CPU)`` in order.
+
+    The most precise copy there is: the fp32 master (in memory or its
+    swap files), else the shard (compute dtype on its tier) in
+    ``record.holding_dtype``.  Never more than one chunk (or one swap
+    key) in memory at a time.
+    """
+    dtype = record.holding_dtype
+    if record.master is not None:
+        source = record.master
+    elif (record.opt_tier == "nvme" and record.stage > 0 and record.dtype.is_floating_point
+          and record.owns_state and record.trainable):
+        for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
+            yield start, swap_io.read_swap(record.swap, state_key("master", record.uid, index), torch.float32,
+                                           stop - start, torch.device("cpu"))
+        return
+    elif record.param_tier == "nvme":
+        if record.owns_state:
+            for key, start, numel in record.swap_layout():
+                piece = swap_io.read_swap(record.swap, key, record.compute_dtype, numel, torch.device("cpu"))
+                yield start, piece.to(dtype)
+        return
+    else:
+        source = record.shard
+    for start in range(0, source.numel(), chunk_numel):
+        yield start, source[start : start + chunk_numel].to(device="cpu", dtype=dtype)

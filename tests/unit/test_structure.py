@@ -1,0 +1,224 @@
+"""The layers' import rules and the size limits (issue 36, acceptance 1 and 4), read from the source.
+
+Every module of zinf_compiler/, passes/ (``zinf_compiler.passes``) and runtime/
+(``zinf_compiler.runtime``) is parsed with :mod:`ast`, nothing imported: an
+``import`` anywhere in a file counts, at module level or inside a function, since
+a circle closed at call time is still a circle in the design.  The rules:
+
+- no import circle among runtime/ modules, none among passes/ modules, none among
+  zinf_compiler/'s own top-level modules;
+- only the entry layer (:data:`ENTRY_LAYER`: api.py, backend.py, optim.py) imports
+  runtime/process.py or names the process's runtime instance ``RUNTIME``; everything
+  else is handed the parts it uses;
+- runtime/ imports nothing of zinf_compiler/ or passes/ (the runtime knows nothing of
+  the compile side);
+- no file over :data:`MAX_FILE_LINES` lines, no class over :data:`MAX_CLASS_LINES`.
+
+Importing a submodule runs its parent packages' ``__init__`` too; those implicit
+imports are not edges here (they would make every module reach every other through
+``zinf_compiler/__init__.py``), only what a file names is.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import zinf_compiler
+import zinf_compiler.passes
+import zinf_compiler.runtime
+
+PACKAGE = "zinf_compiler"
+RUNTIME_PACKAGE = "zinf_compiler.runtime"
+PASSES_PACKAGE = "zinf_compiler.passes"
+# The package each folder is installed as (pyproject.toml's package-dir).
+FOLDERS = {name: pathlib.Path(package.__file__).parent
+           for name, package in ((PACKAGE, zinf_compiler), (PASSES_PACKAGE, zinf_compiler.passes),
+                                 (RUNTIME_PACKAGE, zinf_compiler.runtime))}
+# The only modules that may reach the process's runtime instance (see runtime/process.py).
+ENTRY_LAYER = {"zinf_compiler.api", "zinf_compiler.backend", "zinf_compiler.optim"}
+PROCESS_MODULE = "zinf_compiler.runtime.process"
+MAX_FILE_LINES = 500
+MAX_CLASS_LINES = 400
+
+
+def module_files(folders: dict[str, pathlib.Path]) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every ``*.py`` directly in each package folder (``__init__`` is the
+    package itself)."""
+    modules = {}
+    for package, folder in folders.items():
+        for path in sorted(folder.glob("*.py")):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def _imported_modules(module: str, path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that an ``import`` in ``path`` names, relative imports resolved: ``from A
+    import b`` reaches ``A.b`` where that is a module, else ``A`` itself."""
+    package_parts = module.split(".") if path.stem == "__init__" else module.split(".")[:-1]
+    reached = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            reached.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package_parts[: len(package_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for alias in node.names:
+                reached.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {name for name in reached if name in modules and name != module}
+
+
+def import_graph(folders: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``folders`` it imports by name (see the module docstring)."""
+    modules = module_files(folders)
+    return {module: _imported_modules(module, path, set(modules)) for module, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]], members: set[str]) -> list[list[str]]:
+    """The import circles among ``members``: each strongly connected set of more than one module (Tarjan),
+    sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:  # (the graphs here are a few dozen modules deep at most)
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in members:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(members):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def layers(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """runtime/, passes/ and zinf_compiler/'s own modules, each a set of module names."""
+    runtime = {m for m in graph if m == RUNTIME_PACKAGE or m.startswith(RUNTIME_PACKAGE + ".")}
+    passes = {m for m in graph if m == PASSES_PACKAGE or m.startswith(PASSES_PACKAGE + ".")}
+    return {"runtime/": runtime, "passes/": passes, "zinf_compiler/": set(graph) - runtime - passes}
+
+
+def _describe(found: list[list[str]]) -> str:
+    return "\n".join("  " + " <-> ".join(circle) for circle in found)
+
+
+def test_no_import_circle_within_a_layer():
+    graph = import_graph(FOLDERS)
+    assert len(graph) > 50, f"read only {len(graph)} modules: is the package layout what this test expects?"
+    problems = []
+    for layer, members in layers(graph).items():
+        found = circles(graph, members)
+        if found:
+            problems.append(f"{layer} has import circles (imports inside functions count):\n{_describe(found)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_entry_layer_imports_the_process_runtime():
+    graph = import_graph(FOLDERS)
+    importers = sorted(m for m, targets in graph.items() if PROCESS_MODULE in targets and m not in ENTRY_LAYER)
+    assert not importers, (f"{PROCESS_MODULE} is imported outside the entry layer {sorted(ENTRY_LAYER)} by "
+                           f"{importers}: hand them the parts they use instead")
+
+
+def test_only_the_entry_layer_names_the_runtime_instance():
+    named = re.compile(r"\bRUNTIME\b")
+    offenders = []
+    for module, path in module_files(FOLDERS).items():
+        if module in ENTRY_LAYER:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if named.search(line):
+                offenders.append(f"  {path.parent.name}/{path.name}:{number}: {line.strip()}")
+    assert not offenders, "RUNTIME named outside the entry layer:\n" + "\n".join(offenders)
+
+
+def test_the_runtime_imports_nothing_of_the_compile_side():
+    graph = import_graph(FOLDERS)
+    runtime = layers(graph)["runtime/"]
+    reaching = sorted(f"  {m} imports {sorted(graph[m] - runtime)}" for m in runtime if graph[m] - runtime)
+    assert not reaching, "runtime/ imports zinf_compiler/ or passes/ modules:\n" + "\n".join(reaching)
+
+
+def oversized(path: pathlib.Path) -> list[str]:
+    """What in ``path`` is over the size limits: the file itself, and each class (nested ones too)."""
+    source = path.read_text()
+    where = f"{path.parent.name}/{path.name}"
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_FILE_LINES:
+        found.append(f"  {where}: {lines} lines (at most {MAX_FILE_LINES})")
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, ast.ClassDef):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_CLASS_LINES:
+                found.append(f"  {where}:{node.lineno} class {node.name}: {length} lines (at most {MAX_CLASS_LINES})")
+    return found
+
+
+def test_no_file_or_class_over_the_size_limits():
+    found = [entry for path in module_files(FOLDERS).values() for entry in oversized(path)]
+    assert not found, "over the size limits:\n" + "\n".join(found)
+
+
+def _plant(tmp_path: pathlib.Path, files: dict[str, str]) -> dict[str, pathlib.Path]:
+    folder = tmp_path / "runtime"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return {RUNTIME_PACKAGE: folder}
+
+
+def test_the_check_sees_a_planted_circle(tmp_path):
+    # ``a`` imports ``b`` at module level; ``b`` imports ``a`` only inside a function, relatively: still a circle.
+    # ``c`` imports ``a`` (not in the circle); ``d`` imports the package and a name of ``c``.
+    folders = _plant(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from zinf_compiler.runtime import b\n",
+        "b.py": "def later():\n    from .a import thing\n    return thing\n",
+        "c.py": "import zinf_compiler.runtime.a\n",
+        "d.py": "from . import c\nfrom .c import name\n",
+    })
+    graph = import_graph(folders)
+    assert graph["zinf_compiler.runtime.b"] == {"zinf_compiler.runtime.a"}
+    assert graph["zinf_compiler.runtime.d"] == {"zinf_compiler.runtime.c"}
+    assert circles(graph, set(graph)) == [["zinf_compiler.runtime.a", "zinf_compiler.runtime.b"]]
+
+
+def test_the_check_passes_a_circle_free_set_and_sees_a_long_circle(tmp_path):
+    folders = _plant(tmp_path, {"a.py": "from . import b\n", "b.py": "from . import c\n", "c.py": "x = 1\n"})
+    assert circles(import_graph(folders), set(import_graph(folders))) == []
+    (folders[RUNTIME_PACKAGE] / "c.py").write_text("def f():\n    import zinf_compiler.runtime.a\n")
+    graph = import_graph(folders)
+    assert circles(graph, set(graph)) == [[f"{RUNTIME_PACKAGE}.a", f"{RUNTIME_PACKAGE}.b", f"{RUNTIME_PACKAGE}.c"]]
+
+
+def test_the_check_sees_an_oversized_class(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "\n\nclass Small:\n    y = 2\n")
+    assert oversized(probe) == [f"  {tmp_path.name}/probe.py:1 class Big: {MAX_CLASS_LINES + 1} lines "
+                                f"(at most {MAX_CLASS_LINES})"]
