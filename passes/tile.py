@@ -61,7 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from zinf_compiler.context import CapturedGraph, GraphContext
 from zinf_compiler.graph_utils import nbytes_hint, output_node
 from zinf_compiler.options import ZinfOptions
-from zinf_compiler.runtime.store import DTYPES
+from zinf_compiler.runtime.records import DTYPES
 from zinf_compiler.tile_plan import TILE_PASS, tile_rows_for, wants_tiles
 
 NAME = TILE_PASS

@@ -11,7 +11,8 @@ a circle closed at call time is still a circle in the design.  The rules:
   runtime/process.py or names the process's runtime instance ``RUNTIME``; everything
   else is handed the parts it uses;
 - runtime/ imports nothing of zinf_compiler/ or passes/ (the runtime knows nothing of
-  the compile side);
+  the compile side); passes/ reads of runtime/ only layouts and constants
+  (:data:`RUNTIME_FOR_PASSES`);
 - no file over :data:`MAX_FILE_LINES` lines, no class over :data:`MAX_CLASS_LINES`.
 
 Importing a submodule runs its parent packages' ``__init__`` too; those implicit
@@ -166,6 +167,20 @@ def test_the_runtime_imports_nothing_of_the_compile_side():
     runtime = layers(graph)["runtime/"]
     reaching = sorted(f"  {m} imports {sorted(graph[m] - runtime)}" for m in runtime if graph[m] - runtime)
     assert not reaching, "runtime/ imports zinf_compiler/ or passes/ modules:\n" + "\n".join(reaching)
+
+
+# What passes/ may read of the runtime: layouts, vocabularies and constants, never a store or an engine
+# (passes never touch files, threads or state that outlives the compile).
+RUNTIME_FOR_PASSES = {f"{RUNTIME_PACKAGE}.{name}" for name in ("units", "tiers", "buckets", "swap_layout", "records")}
+
+
+def test_passes_read_only_layouts_and_constants_of_the_runtime():
+    graph = import_graph(FOLDERS)
+    groups = layers(graph)
+    reaching = sorted(f"  {m} imports {sorted((graph[m] & groups['runtime/']) - RUNTIME_FOR_PASSES)}"
+                      for m in groups["passes/"] if (graph[m] & groups["runtime/"]) - RUNTIME_FOR_PASSES)
+    assert not reaching, (f"passes/ imports runtime modules beyond {sorted(RUNTIME_FOR_PASSES)}:\n"
+                          + "\n".join(reaching))
 
 
 def oversized(path: pathlib.Path) -> list[str]:
