@@ -14,8 +14,10 @@ from zinf_compiler.runtime.process import RUNTIME
 
 from equivalence import compare_training
 
-@pytest.mark.parametrize("policy,tier,profile", [("block", "none", ""), ("block", "nvme", ""), ("auto", "none", ""),
-                                                 ("auto", "cpu", ""), ("auto", "cpu", "nominal")])
+@pytest.mark.parametrize("policy,tier,profile", [
+    ("block", "none", ""), pytest.param("block", "nvme", "", marks=pytest.mark.slow),
+    pytest.param("auto", "none", "", marks=pytest.mark.slow), ("auto", "cpu", ""),
+    pytest.param("auto", "cpu", "nominal", marks=pytest.mark.slow)])
 def test_dropout_masks_are_recomputed_exactly(policy, tier, profile, tmp_path, monkeypatch):
     """Acceptance 1, dropout on: recomputation replays the forward's RNG state, so the masks (and every
     loss and parameter) equal eager's, itself checkpointed with torch.utils.checkpoint.  ``auto`` runs with
@@ -35,7 +37,7 @@ def test_dropout_masks_are_recomputed_exactly(policy, tier, profile, tmp_path, m
         assert "run_with_rng_state" in backward
 
 
-@pytest.mark.parametrize("policy,tier", [("block", "cpu"), ("none", "nvme")])
+@pytest.mark.parametrize("policy,tier", [pytest.param("block", "cpu", marks=pytest.mark.slow), ("none", "nvme")])
 def test_inductor_lowering_with_checkpointing_and_offload(policy, tier, tmp_path):
     """The handle that replaces an offloaded value passes Inductor's own bookkeeping of saved values; without
     checkpointing, q, k and v (views with gaps into the fused qkv output) come back contiguous, and the
@@ -75,7 +77,8 @@ def _from_gathered(name: str, defined: dict[str, str]) -> bool:
     return name.startswith("gathered_")
 
 
-@pytest.mark.parametrize("policy", ["none", "block", "auto"])
+@pytest.mark.parametrize("policy", [pytest.param("none", marks=pytest.mark.slow), "block",
+                                    pytest.param("auto", marks=pytest.mark.slow)])
 def test_no_gathered_parameter_is_saved_for_backward_at_stage_3(policy, tmp_path):
     """Acceptance 3: from the dumped graphs, no saved value is a gathered full parameter (or a view of one)."""
     options = {"stage": 3, "lower": "eager", "activation_checkpointing": policy, "dump_dir": str(tmp_path)}
@@ -242,7 +245,7 @@ def test_auto_prices_offload_by_the_transfer_time_compute_cannot_hide():
     assert choices("cpu", 0.050, forward_seconds=1.0)[0] == ["offload"] * 4
 
 
-@pytest.mark.parametrize("budget", [256 << 10, 64 << 10])
+@pytest.mark.parametrize("budget", [pytest.param(256 << 10, marks=pytest.mark.slow), 64 << 10])
 def test_auto_with_offload_keeps_the_device_under_a_byte_budget(budget, tmp_path, monkeypatch):
     """``auto`` with offload and a byte budget: whatever the cost model chose and whatever else the
     partitioner saved, the saved-activation bytes left on the device (memory_report between forward and

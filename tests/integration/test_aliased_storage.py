@@ -38,6 +38,7 @@ def assert_equal_to_eager(errors: dict, what: str) -> None:
     assert errors and max(errors.values()) <= RTOL, f"{what}: {errors}"
 
 
+@pytest.mark.slow  # each case is a process of its own; the default run keeps two (load_state_dict, the aliases)
 def test_state_dict_taken_before_compiling_read_after_a_step():
     result = run("state_dict_before_compiling_read_after_a_step")
     for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
@@ -57,6 +58,7 @@ def test_load_state_dict_taken_before_compiling_after_a_step_equals_eager():
     assert_equal_to_eager(result["final"], "a step later")
 
 
+@pytest.mark.slow  # each case is a process of its own; the default run keeps two (load_state_dict, the aliases)
 def test_state_dict_taken_inside_gathered_read_after_the_block():
     result = run("state_dict_inside_gathered_read_after_the_block")
     for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
@@ -66,6 +68,7 @@ def test_state_dict_taken_inside_gathered_read_after_the_block():
     assert_equal_to_eager(result["inside_gathered_after_another_step"], "inside a block a step later")
 
 
+@pytest.mark.slow  # each case is a process of its own; the default run keeps two (load_state_dict, the aliases)
 def test_state_dict_taken_inside_gathered_saved_after_the_block():
     result = run("state_dict_inside_gathered_saved_after_the_block")
     assert_clear_errors({use: result[use] for use in ("torch.save", "pickle", "deepcopy")}, "0.weight")
@@ -87,6 +90,7 @@ def test_detach_data_and_views_taken_before_compiling(alias, aliases_result):
     assert aliases_result["inside_gathered"][alias] <= RTOL, aliases_result["inside_gathered"]
 
 
+@pytest.mark.slow  # each case is a process of its own; the default run keeps two (load_state_dict, the aliases)
 def test_a_view_only_an_autograd_graph_holds_keeps_its_memory():
     # Only C++ holds it (a view addmm saved for backward): zinf cannot guard it, so the storage is
     # not freed; the parameter moves to an empty storage of its own and trains as in eager.
@@ -98,6 +102,7 @@ def test_a_view_only_an_autograd_graph_holds_keeps_its_memory():
     assert result["param_storage_bytes"] == 0
 
 
+@pytest.mark.slow  # each case is a process of its own; the default run keeps two (load_state_dict, the aliases)
 def test_a_parameter_sharing_the_storage_of_another_module():
     result = run("parameter_sharing_the_storage")
     assert result["type"] == "RestingParameter"

@@ -39,6 +39,7 @@ def test_inductor_lowering_matches_eager_pytorch(graph_break):
         result.describe(), inductor.max_param_error)
 
 
+@pytest.mark.slow
 def test_inductor_with_comprehensive_padding_as_on_a_gpu():
     # On a GPU Inductor pads strides ("comprehensive padding"; off for CPU inputs) and walks back from
     # every output it recorded as user-visible before zinf's rewrite, which returns None for the

@@ -56,7 +56,12 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+# The default run: the device, cpu (bf16) and nvme (tiled) tiers at stage 3; --all adds the rest.
+DEFAULT = ("stage3-device", "stage3-nvme-tiled", "stage3-cpu-bf16")
+
+
+@pytest.mark.parametrize("name", [name if name in DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in CONFIGS])
 def test_resume_in_a_new_model_is_bit_identical(name, tmp_path):
     """Train 6 steps; train 3, save, load into a fresh model and optimizer, train 3: the same bits."""
     options = dict(CONFIGS[name])

@@ -96,8 +96,8 @@ def _configs() -> dict[str, dict]:
 
 
 CONFIGS = _configs()
-# The default run: one of each kind (tiers, checkpointing policies, tiling, stage 2 and 3).
-DEFAULT = ("stage3-none-ckpt_none", "stage2-cpu-ckpt_block", "stage3-nvme-tiled-ckpt_auto")
+# The default run: one (suite time); --all runs every tier, checkpointing policy, tiling, stage 2 and 3.
+DEFAULT = ("stage3-none-ckpt_none",)
 
 
 def _params() -> list:

@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from repo_paths import REPO
 
 
@@ -33,6 +35,7 @@ def test_train_gpt_example_rejects_a_bad_nvme_path_clearly():
     assert done.returncode == 2 and "--nvme-path" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # the example runs in the default run: test_train_gpt_example_learns
 def test_nvme_offloaded_example_keeps_peak_rss_below_the_model_states(tmp_path):
     # Acceptance 3 of the offload issue: with every model state on NVMe (the
     # model built straight into its shards by zinf.materialize), the process

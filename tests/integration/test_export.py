@@ -30,7 +30,7 @@ def _tiny(kind: str):
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_export_of_a_trained_transformers_model_loads_with_from_pretrained(kind, tmp_path):
     """Acceptance 4: trained under zinf with parameters and optimizer on NVMe, exported, reloaded eagerly."""
     torch._dynamo.reset()
@@ -60,6 +60,7 @@ def test_export_of_a_trained_transformers_model_loads_with_from_pretrained(kind,
     assert all(torch.equal(weights[name], full[name]) for name in weights)
 
 
+@pytest.mark.slow  # export in the default run: the gpt2 case above
 def test_materialize_from_sharded_safetensors_and_export_within_memory_bounds(tmp_path):
     """Acceptances 4 and 5: a 160 MiB GPT built from a 3-file sharded folder (written by the reference
     safetensors library) into NVMe shards, then exported; each measured in a fresh process."""

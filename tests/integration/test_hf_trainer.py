@@ -17,7 +17,8 @@ import zinf_compiler as zinf
 from zinf_compiler.hf import ZinfTrainer, ZinfTrainerError
 from hf_trainer_runs import STEPS, arguments, assert_same, dataset, eager_run, logged, models
 
-@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.slow  # Hugging Face models in the default run: test_hf_zoo.py (llama)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_trainer_with_zinf_equals_eager_trainer_and_resumes(tmp_path, family):
     transformers.logging.set_verbosity_error()
     build = models()[family]

@@ -19,8 +19,8 @@ from repo_paths import worker_script
 ROUNDS = 5
 
 
-@pytest.mark.parametrize("tier", [pytest.param("none", marks=pytest.mark.slow),
-                                  pytest.param("cpu", marks=pytest.mark.slow), "nvme"])
+@pytest.mark.slow  # five rounds of fresh compiles per tier
+@pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_five_rounds_of_compile_train_drop_give_everything_back(tier, tmp_path):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, worker_script("leak_worker"), tier, str(tmp_path), str(ROUNDS)],

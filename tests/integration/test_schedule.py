@@ -139,6 +139,7 @@ def structure(table: dict) -> tuple:
     return table["kind"], transfers, ops, table["peak_live_bytes"]
 
 
+@pytest.mark.slow
 def test_schedule_is_deterministic_and_rebuilt_on_recompile(tmp_path):
     train(tmp_path / "a", offload_param="nvme")
     train(tmp_path / "b", offload_param="nvme")
@@ -163,6 +164,7 @@ def test_schedule_is_deterministic_and_rebuilt_on_recompile(tmp_path):
         check_invariants(table)
 
 
+@pytest.mark.slow  # Inductor in the default run: test_backend.py, test_dynamic_shapes.py
 def test_inductor_runs_zinf_ops_in_scheduled_order(tmp_path, monkeypatch):
     calls = []
     for method in ("nc_start", "nc_wait", "cg_start", "cg_wait", "gather_start", "gather_wait", "release"):

@@ -36,6 +36,7 @@ def untiled() -> dict:
     return measure(1)
 
 
+@pytest.mark.slow  # tiling in the default run: test_tile.py, multirank/test_tile_e2e.py[1]
 @pytest.mark.parametrize("factor", [4, 8])
 def test_tiling_cuts_working_memory_by_the_factor(untiled, factor):
     tiled = measure(factor)
@@ -58,6 +59,7 @@ def test_tiling_cuts_working_memory_by_the_factor(untiled, factor):
     assert tiled["rss_growth"] <= 1.1 * 2 * tile_bytes + NOISE_BYTES, tiled
 
 
+@pytest.mark.slow
 def test_tiles_on_nvme_are_read_alone(tmp_path):
     """Each tile of an NVMe-tier parameter is its own swap key: a forward and
     backward reads every weight once per use whether it is tiled or not (not

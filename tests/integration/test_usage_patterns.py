@@ -62,7 +62,7 @@ def batches(count: int = 3, rows: int = 5, width: int = 8, seed: int = 7) -> lis
     return [torch.randn(rows, width, generator=generator) for _ in range(count)]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_two_instances_of_one_class_train_their_own_weights(stage):
     # Same code, so Dynamo hands both models one compiled graph; each must use its own weights.
     pairs = [Pair(seeded(mlp, seed), {"stage": stage}) for seed in (0, 1)]
@@ -72,7 +72,8 @@ def test_two_instances_of_one_class_train_their_own_weights(stage):
     assert losses[0][0][0] != losses[1][0][0]  # the two models really differ
 
 
-@pytest.mark.parametrize("interrupt", ["graph_break", "item", "print"])
+@pytest.mark.parametrize("interrupt", ["graph_break", pytest.param("item", marks=pytest.mark.slow),
+                                       pytest.param("print", marks=pytest.mark.slow)])
 def test_graph_break_inside_a_repeated_block(interrupt):
     # Each block's halves become graphs that every block shares.
     pair = Pair(seeded(lambda: Stack(interrupt=interrupt), 0), STAGE3)
@@ -234,6 +235,7 @@ def test_two_compiled_models_sharing_a_module_and_an_evaluation_between_micro_ba
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-7), (index, runs)
 
 
+@pytest.mark.slow  # clipping through torch in the default run: test_torch_clip_grad_norm_on_sharded_gradients_clips_them
 def test_clip_grad_norm_imported_by_name_before_zinf_sees_the_shards():
     # The usual top-of-file import binds torch's function before zinf exists.
     script = """
@@ -271,8 +273,8 @@ def test_a_torch_optimizer_on_unsharded_parameters_still_works():
     assert any(not torch.equal(b, p) for b, p in zip(before, pair_model.parameters()))
 
 
-@pytest.mark.parametrize("stage,offload", [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (3, "cpu"),
-                                           (3, "nvme")])
+@pytest.mark.parametrize("stage,offload", [*(pytest.param(stage, "none", marks=pytest.mark.slow) for stage in (0, 1, 2)),
+                                           (3, "none"), pytest.param(3, "cpu", marks=pytest.mark.slow), (3, "nvme")])
 def test_inference_mode_and_no_grad_equal_eager(stage, offload, tmp_path):
     # Before: at stage 3 the copy worker raised "Inplace update to inference tensor outside InferenceMode".
     options = {"stage": stage, "offload_param": offload, "nvme_path": str(tmp_path)}
@@ -306,8 +308,8 @@ class CountingBackend:
         monkeypatch.setattr(backend, "compile_captured", counted)
 
 
-@pytest.mark.parametrize("dynamic", [True, None])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("dynamic", [True, pytest.param(None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
     # Before: zinf's placeholder check added an Eq(s, N) guard per symbolic size, so every
     # length recompiled and the 9th failed (stage 3) or silently fell back to eager (stage 2).
@@ -351,7 +353,7 @@ class Scaled(torch.nn.Module):
         return self.fc(x) * len(tag)  # a string: Dynamo guards on its value, one graph per tag
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_past_the_recompile_limit_is_an_error_not_an_untrained_model(stage):
     # Before (stage 2): past the limit Dynamo ran the frame eagerly, gradients went to
     # param.grad and zinf's optimizer silently stepped nothing.
@@ -509,7 +511,7 @@ def test_gathered_gives_eager_code_full_parameters(offload, writeback, tmp_path)
     {"offload_param": "none"},
     {"offload_param": "cpu", "offload_optimizer": "cpu"},
     {"offload_param": "nvme", "offload_optimizer": "nvme"},
-    {"offload_param": "nvme", "tile_threshold": 256, "tile_factor": 2},
+    pytest.param({"offload_param": "nvme", "tile_threshold": 256, "tile_factor": 2}, marks=pytest.mark.slow),
 ], ids=["device", "cpu", "nvme", "nvme-tiled"])
 def test_load_state_dict_into_a_trained_stage3_model_writes_the_shards(options, tmp_path):
     # Before: model.load_state_dict on a stage-3 model segfaulted.  Now it writes every rank's
@@ -590,7 +592,7 @@ def test_model_zero_grad_clears_the_gradient_shards(stage, compiled_module):
     assert all(not record.has_grad for record in map(RUNTIME.store.lookup, model.parameters()))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_stage_1_2_at_world_1_shard_is_the_parameter_and_user_writes_still_count(stage):
     from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 

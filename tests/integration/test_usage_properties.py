@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,8 +26,11 @@ from hypothesis import strategies as st
 import zinf_compiler as zinf
 from usage import Pair, loss_of, train_interleaved
 
-# quick (the default): 3 drawn cases per property (the default run's time: each case compiles with Inductor);
-# ci: 8 (run_tests.sh --all sets it); HYPOTHESIS_PROFILE=thorough draws 60.
+# Both properties run only in the whole suite (each drawn case compiles with Inductor: about a minute each);
+# the usage patterns they mix run by default in test_usage_patterns.py.
+pytestmark = pytest.mark.slow
+# quick (the default: pytest -m slow on this file): 3 drawn cases per property; ci: 8 (run_tests.sh --all sets
+# it); HYPOTHESIS_PROFILE=thorough draws 60.
 settings.register_profile("quick", max_examples=3, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True,

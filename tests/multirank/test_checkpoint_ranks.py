@@ -12,6 +12,10 @@ from zinf_compiler.gpt import GPT, synthetic_batches
 from checkpoint_worker import ADAMW, CFG
 from multirank import run_ranks
 
+# Fresh processes per run (about half a minute each); the default run's checkpoints:
+# integration/test_checkpoint.py (save, load, resume in one process).
+pytestmark = pytest.mark.slow
+
 
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

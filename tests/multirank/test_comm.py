@@ -11,6 +11,7 @@ subgroup, and still time out naming the call when a rank never joins.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ CASE = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.slow  # 4 ranks; the default run's collectives: unit/test_collectives.py and every world-2 test
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(cases=st.lists(CASE, min_size=12, max_size=12))
 def test_rooted_collectives_equal_torchs_own_at_world_4(cases):

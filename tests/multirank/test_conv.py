@@ -31,12 +31,13 @@ def _check(results, configs) -> None:
                 assert result[kind][worst] <= PARAM_RTOL, f"{where}: {kind} {worst} {result[kind][worst]:.2e}"
 
 
+@pytest.mark.slow
 def test_conv_net_at_stage_3_under_inductor_equals_eager_on_every_tier():
     configs = [{"options": {"lower": "inductor", **tiers}} for tiers in TIERS]
     _check(run_ranks(1, "conv_worker", {"configs": configs}), configs)
 
 
-@pytest.mark.parametrize("broadcast_buffers", [True, False])
+@pytest.mark.parametrize("broadcast_buffers", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_batchnorm_statistics_at_world_2_equal_ddp(broadcast_buffers):
     # (With broadcast_buffers: also a clamping gradient hook, which must see each rank's own gradient.)
     # Each rank starts with its own running mean (rank added to it): DDP's default copies rank 0's

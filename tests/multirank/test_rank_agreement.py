@@ -28,9 +28,8 @@ def _run(cases: list[dict]) -> list[list[dict]]:
 
 @pytest.mark.parametrize("option, values", [
     ("stage", (3, 2)),
-    ("param_dtype", ("fp32", "bf16")),
-    ("bucket_bytes", (0, 1 << 20)),
-    ("tile_factor", (1, 2)),
+    *(pytest.param(option, values, marks=pytest.mark.slow)  # a launch of 2 ranks each; stage in the default run
+      for option, values in (("param_dtype", ("fp32", "bf16")), ("bucket_bytes", (0, 1 << 20)), ("tile_factor", (1, 2)))),
 ], ids=["stage", "param_dtype", "bucket_bytes", "tile_factor"])
 def test_ranks_given_different_options_all_raise_naming_the_option_and_both_values(option, values):
     case = {"shared": {"tile_threshold": 256} if option == "tile_factor" else {},
@@ -41,6 +40,7 @@ def test_ranks_given_different_options_all_raise_naming_the_option_and_both_valu
         assert f"option '{option}': rank 0 has {values[0]!r}, rank 1 has {values[1]!r}" in result["message"], result
 
 
+@pytest.mark.slow
 def test_ranks_with_different_models_raise_naming_the_parameter():
     (rank0, rank1), = _run([{"hidden": {"0": 16, "1": 24}}])
     for result in (rank0, rank1):
@@ -48,6 +48,7 @@ def test_ranks_with_different_models_raise_naming_the_parameter():
         assert "parameter inp.weight: rank 0 has shape (16, 8), rank 1 has shape (24, 8)" in result["message"], result
 
 
+@pytest.mark.slow
 def test_a_branch_that_goes_differently_per_rank_raises_and_one_that_agrees_equals_ddp():
     cases = [
         # Step 2: rank 1 takes the other branch (another graph, other parameters).
@@ -85,6 +86,7 @@ def branching_cases(draw) -> dict:
     return {"signs": [rank0, rank1], "shared": shared}
 
 
+@pytest.mark.slow
 @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(branching_cases(), min_size=4, max_size=4))
 def test_drawn_per_rank_branching_raises_or_equals_ddp(cases):

@@ -25,7 +25,7 @@ CONFIGS = [
 MLP_WEIGHTS = {"blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight"}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tiled_training_matches_eager(world):
     results = run_ranks(world, "tile_worker", {"model": MODEL, "steps": 5, "batch": 2, "configs": CONFIGS})
     _check(results, world)

@@ -3,6 +3,8 @@ results); the one-process cases are in tests/integration/test_usage_patterns.py.
 
 from __future__ import annotations
 
+import pytest
+
 from multirank import run_ranks
 
 
@@ -15,6 +17,7 @@ def test_a_collective_on_one_rank_only_times_out_naming_the_call_after_its_model
     assert rank0["seconds"] < 30
 
 
+@pytest.mark.slow
 def test_parameters_no_graph_uses_are_averaged_over_ranks_like_ddp():
     # Before: a graph break inside the loop over blocks left the head outside every graph, and at world 2
     # each rank stepped it with its own gradient: silently 0.07 away from eager after one step.
