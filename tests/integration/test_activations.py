@@ -37,7 +37,8 @@ def test_dropout_masks_are_recomputed_exactly(policy, tier, profile, tmp_path, m
         assert "run_with_rng_state" in backward
 
 
-@pytest.mark.parametrize("policy,tier", [pytest.param("block", "cpu", marks=pytest.mark.slow), ("none", "nvme")])
+@pytest.mark.slow  # a cold Inductor compile per case (a minute or more); Inductor by default: test_backend.py
+@pytest.mark.parametrize("policy,tier", [("block", "cpu"), ("none", "nvme")])
 def test_inductor_lowering_with_checkpointing_and_offload(policy, tier, tmp_path):
     """The handle that replaces an offloaded value passes Inductor's own bookkeeping of saved values; without
     checkpointing, q, k and v (views with gaps into the fused qkv output) come back contiguous, and the

@@ -37,7 +37,8 @@ def test_conv_net_at_stage_3_under_inductor_equals_eager_on_every_tier():
     _check(run_ranks(1, "conv_worker", {"configs": configs}), configs)
 
 
-@pytest.mark.parametrize("broadcast_buffers", [pytest.param(True, marks=pytest.mark.slow), False])
+@pytest.mark.slow  # world 2 by default: test_zero.py
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
 def test_batchnorm_statistics_at_world_2_equal_ddp(broadcast_buffers):
     # (With broadcast_buffers: also a clamping gradient hook, which must see each rank's own gradient.)
     # Each rank starts with its own running mean (rank added to it): DDP's default copies rank 0's
