@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the tests need, then run the default suite (tests marked slow excluded; see pyproject).
 #   --all    the whole suite, slow tests included (what .ci/run runs)
-# Other arguments go to pytest.
+# Other arguments go to pytest: a tier (tests/unit, tests/integration, tests/multirank), a file, -k ...
+# tests/README.md says what each tier holds and which tests run by default.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PIP_EXTRAS=dev source "$repo/scripts/install.sh"

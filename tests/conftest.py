@@ -15,8 +15,9 @@ TIERS = ("unit", "integration", "multirank")
 
 
 def pytest_collection_modifyitems(items):
+    tests = REPO / "tests"
     for item in items:
-        tier = item.path.relative_to(REPO / "tests").parts[0]
+        tier = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else None
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
 

@@ -31,7 +31,8 @@ def assert_agree(reported: int, measured: int, what: str) -> None:
         f"{what}: memory_report says {reported / 2**20:.1f} MiB, the OS {measured / 2**20:.1f} MiB")
 
 
-@pytest.mark.parametrize("tier", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a fresh process per tier; memory_report by default: test_dumps.py, multirank/test_zero.py
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_memory_report_agrees_with_the_os(tier, tmp_path):
     result = run_worker(tier, str(tmp_path))
     assert set(result) == {"materialize", "backward", "first_step", "zero_grad"}
