@@ -2,7 +2,7 @@
 
     python benchmarks/hf_zoo.py [--only llama,mixtral]
 
-For each of the 21 architectures of ``tests/test_hf_zoo.py`` (configs in code,
+For each of the 21 architectures of ``tests/integration/test_hf_zoo.py`` (configs in code,
 nothing downloaded; the default test run covers 12 of them, the other 9 are
 marked slow there and run here): the same check as the test (stage 3,
 parameters and optimizer state on NVMe, ``activation_checkpointing="block"``,
@@ -24,7 +24,7 @@ import tempfile
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path[:0] = [os.path.join(HERE, "..", "tests", "integration"), os.path.join(HERE, "..", "tests", "support")]
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     python benchmarks/zero_traffic.py [--world-size 2 --steps 5 --rounds 4]
 
 Launches ``--world-size`` gloo ranks on localhost (one process each, like
-``tests/multirank.py``). Every variant trains the same GPT (same initial
+``tests/support/multirank.py``). Every variant trains the same GPT (same initial
 weights, same per-rank batches, AdamW lr 1e-3) in the same run:
 
 * zinf at stages 1, 2, 3 with ``partition="allgather"`` (default buckets: one

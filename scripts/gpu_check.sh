@@ -12,7 +12,7 @@ mkdir -p "$pkg/zinf_compiler"
 cp -r "$repo"/zinf_compiler/* "$pkg/zinf_compiler/"
 cp -r "$repo/passes" "$pkg/zinf_compiler/passes"
 cp -r "$repo/runtime" "$pkg/zinf_compiler/runtime"
-export PYTHONPATH="$pkg:$repo/tests:${PYTHONPATH:-}"
+export PYTHONPATH="$pkg:$repo/tests/support:$repo/tests/workers:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/zinf_inductor_cache}"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
@@ -22,7 +22,7 @@ status=0
 for part in "${parts[@]}"; do
     echo "=== $part ==="
     case "$part" in
-        kernels) python3 "$repo/tests/kernels_worker.py" cuda > "$out/kernels.json" 2> "$out/kernels.err" \
+        kernels) python3 "$repo/tests/workers/kernels_worker.py" cuda > "$out/kernels.json" 2> "$out/kernels.err" \
                      && python3 -c "import json,sys; r=json.load(open('$out/kernels.json')); r.pop('refusals'); bad=[k for k,v in r.items() if not (v.get('exact', True) and v.get('out_exact', True) and v.get('master', 0) <= 1e-6)]; print('kernels bad:', bad); sys.exit(bool(bad))" \
                      || { status=1; tail -20 "$out/kernels.err"; } ;;
         check) python3 "$repo/benchmarks/gpu_check.py" check --json "$out/check.json" ${CHECK_ARGS:-} 2>&1 | tee "$out/check.log" || status=1 ;;
