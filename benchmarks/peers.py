@@ -1231,6 +1231,9 @@ def parse() -> argparse.Namespace:
                         help="another checkout of zinf (with its own .venv, or sharing this interpreter): each zinf "
                              "configuration also runs from it, in the same group and turns, for a same-run "
                              "before/after comparison")
+    parser.add_argument("--baseline-first", action="store_true",
+                        help="with --baseline: start each twin before this checkout's configuration (the first "
+                             "started can be the slower one: run both orders)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.systems is None:
@@ -1242,7 +1245,7 @@ def parse() -> argparse.Namespace:
     if args.baseline:
         if args.find_max:
             parser.error("--baseline compares step times at one size; it does not combine with --find-max")
-        args.systems = add_baseline_twins(args.systems, os.path.abspath(args.baseline), parser)
+        args.systems = add_baseline_twins(args.systems, os.path.abspath(args.baseline), parser, args.baseline_first)
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     args.mem_limit = None if args.mem_limit_gib is None else int(args.mem_limit_gib * 2**30)
     for name, default, find_max_default in (("seq", 64, 32), ("batch", 2, 1), ("nvme_copies", 2, 1)):
@@ -1257,20 +1260,23 @@ def parse() -> argparse.Namespace:
     return args
 
 
-def add_baseline_twins(systems: list[str], checkout: str, parser) -> list[str]:
-    """Each zinf system followed by its twin run from ``checkout`` (key ``<key>@baseline``)."""
+def add_baseline_twins(systems: list[str], checkout: str, parser, twin_first: bool = False) -> list[str]:
+    """Each zinf system followed (``twin_first``: preceded) by its twin run from ``checkout`` (key
+    ``<key>@baseline``)."""
     script = os.path.join(checkout, "benchmarks", "peers.py")
     if not os.path.exists(script):
         parser.error(f"--baseline {checkout}: no benchmarks/peers.py there; give a checkout of zinf")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
     with_twins = []
     for key in systems:
-        with_twins.append(key)
         label, kind, settings = SYSTEMS[key]
-        if kind == "zinf":
-            SYSTEMS[f"{key}{BASELINE_SUFFIX}"] = (f"{label} [baseline {commit.stdout.strip() or checkout}]", kind,
-                                                  dict(settings, checkout=checkout))
-            with_twins.append(f"{key}{BASELINE_SUFFIX}")
+        if kind != "zinf":
+            with_twins.append(key)
+            continue
+        twin = f"{key}{BASELINE_SUFFIX}"
+        SYSTEMS[twin] = (f"{label} [baseline {commit.stdout.strip() or checkout}]", kind,
+                         dict(settings, checkout=checkout))
+        with_twins.extend([twin, key] if twin_first else [key, twin])
     return with_twins
 
 
