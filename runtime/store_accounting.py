@@ -88,6 +88,18 @@ class StoreAccounting:
             ledger.collective_timeout = collective_timeout
         return ledger
 
+    def ledgers_of(self, params: Iterable[torch.Tensor]) -> list["Ledger"]:
+        """The ledgers ``params`` are counted in (each once), read only: unlike :meth:`group`, nothing merges
+        and nothing is registered, so a report on one model never changes another's figures."""
+        self.collect()
+        found: dict[int, Ledger] = {}
+        for param in params:
+            record = self.lookup(param)
+            ledger = record.ledger.root() if record is not None else self._ledger_for(param)
+            if ledger is not None:
+                found.setdefault(id(ledger), ledger)
+        return list(found.values())
+
     def _forget_pending(self, param_id: int, _ref) -> None:
         self._dropped_pending.put(param_id)
 

@@ -132,10 +132,12 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     for opt in list(RUNTIME.optimizers):
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
-    ledger = RUNTIME.store.group(params)
-    for tier, nbytes in ledger.activations.items():
-        report[tier]["activations"] = nbytes
-    report["peak"] = dict(ledger.peak)
+    # Read only (ledgers_of, not group): reporting never merges this model's ledgers with anything.  Parameters
+    # counted in several ledgers (parts never grouped as one model) add up; a sum of peaks is an upper bound.
+    ledgers = RUNTIME.store.ledgers_of(params)
+    for tier in report:
+        report[tier]["activations"] = sum(ledger.activations[tier] for ledger in ledgers)
+    report["peak"] = {tier: sum(ledger.peak[tier] for ledger in ledgers) for tier in ("device", "cpu")}
     report["buffers"] = {"cpu": (RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0)
                          + RUNTIME.activations.pool_bytes}
     return report
@@ -150,4 +152,5 @@ def reset_peak_memory(model: torch.nn.Module | None = None) -> None:
     if model is None:
         RUNTIME.store.reset_peak()
     else:
-        RUNTIME.store.group(_unique_params(model)).reset_peak()
+        for ledger in RUNTIME.store.ledgers_of(_unique_params(model)):
+            ledger.reset_peak()
