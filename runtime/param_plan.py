@@ -47,6 +47,7 @@ class ParamPlan:
     uid: int  # the store's id of the parameter: names its swap keys
     shape: torch.Size
     dtype: torch.dtype  # the parameter's own dtype (what the graph computes in)
+    device: torch.device  # the compute device (where gathered parameters live)
     compute_dtype: torch.dtype  # of the shard, of gathers and of reduce-scatters
     stage: int
     partition: str  # "allgather" (every rank an equal slice) | "broadcast" (one owner holds it whole)
@@ -120,7 +121,8 @@ class ParamPlan:
                      for index, (start, stop) in enumerate(self.state_groups))
 
 
-def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, stage: int, partition: str,
+def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device, stage: int,
+               partition: str,
                param_dtype: torch.dtype, param_tier: str, opt_tier: str, world_size: int, rank: int,
                owner: int | None = None, tile_rows: Sequence[int] | None = None, bucket_bytes: int = 0,
                requires_grad: bool = True, from_file: bool = False, step_in_backward: bool | str = False,
@@ -129,9 +131,9 @@ def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, stage: int
 
     ``param_dtype``: the compute dtype of a float parameter (an integer or bool one keeps its own and is never
     tiled).  ``owner``: partition="broadcast", the rank that holds it whole.  ``tile_rows``: rows per tile
-    (checked to split the rows; a 1-D parameter's rows are its elements), None: untiled.  ``requires_grad``, ``from_file`` (its values come from a
-    weights file, never its own storage), ``step_in_backward`` (the option overlap_optimizer: True, False or
-    "auto") and ``nvme_copies`` decide where the bytes live.
+    (checked to split the rows; a 1-D parameter's rows are its elements), None: untiled.  ``requires_grad``,
+    ``from_file`` (its values come from a weights file, never its own storage), ``step_in_backward`` (the
+    option overlap_optimizer: True, False or "auto") and ``nvme_copies`` decide where the bytes live.
     """
     shape = torch.Size(shape)
     numel = shape.numel()
@@ -144,7 +146,8 @@ def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, stage: int
         raise ZinfStoreError("partition='broadcast' needs the owner rank")
     allgather = partition == "allgather"
     holds = allgather or rank == owner
-    tile_align = ALIGNMENT // compute_dtype.itemsize if tile_rows is not None and param_tier == "nvme" and allgather else 1
+    nvme_tiles = tile_rows is not None and param_tier == "nvme" and allgather  # each tile a swap key of its own
+    tile_align = ALIGNMENT // compute_dtype.itemsize if nvme_tiles else 1
 
     tile_shard_numels, tile_local_ranges, local_ranges = (), (), ()
     if tile_rows is not None:
@@ -200,24 +203,24 @@ def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, stage: int
         step_in_backward = True
     step_in_backward = bool(step_in_backward and stage == 3 and param_tier == "nvme" and opt_tier == "nvme"
                             and not exact and requires_grad and nvme_copies == 2)
-    return ParamPlan(uid=uid, shape=shape, dtype=dtype, compute_dtype=compute_dtype, stage=stage,
-                     partition=partition, world_size=world_size, rank=rank, owner=owner if not allgather else None,
-                     param_tier=param_tier, opt_tier=opt_tier, tile_rows=tile_rows, tile_align=tile_align,
-                     bucket_bytes=bucket_bytes, shard_numel=shard_numel, local_numel=local_numel,
+    return ParamPlan(uid=uid, shape=shape, dtype=dtype, device=torch.device(device), compute_dtype=compute_dtype,
+                     stage=stage, partition=partition, world_size=world_size, rank=rank,
+                     owner=owner if not allgather else None, param_tier=param_tier, opt_tier=opt_tier,
+                     tile_rows=tile_rows, tile_align=tile_align, bucket_bytes=bucket_bytes, shard_numel=shard_numel, local_numel=local_numel,
                      tile_shard_numels=tile_shard_numels, tile_local_ranges=tile_local_ranges,
                      local_ranges=local_ranges, shard_swap=shard_swap, state_groups=state_groups,
                      params_in_master=params_in_master, shard_is_param=shard_is_param,
                      step_in_backward=step_in_backward)
 
 
-def plan_buckets(layouts: Sequence, limits: Sequence[int] | None = None,
+def plan_buckets(plans: Sequence[ParamPlan | None], limits: Sequence[int] | None = None,
                  keys: Sequence[Hashable | None] | None = None) -> list[list[int]]:
-    """Bucket membership of a model's parameters, in order (:func:`~.buckets.bucket_runs`, the one rule).
+    """Bucket membership of a model's parameters, their plans in order (:func:`~.buckets.bucket_runs`, the one
+    rule; a layout or record reads as its plan).
 
-    ``layouts``: their layouts (``ParamLayout``; a record is one), or None for one not adopted.  ``limits``
-    default to each plan's ``bucket_bytes``, ``keys`` to one key for all (the caller's further condition,
-    e.g. the mesh).
+    None stands for a parameter not adopted.  ``limits`` default to each plan's ``bucket_bytes``, ``keys`` to
+    one key for all (the caller's further condition, e.g. the mesh).
     """
-    limits = [layout.plan.bucket_bytes if layout is not None else 0 for layout in layouts] if limits is None else limits
-    keys = [0] * len(layouts) if keys is None else keys
-    return bucket_runs(layouts, limits, keys)
+    limits = [plan.bucket_bytes if plan is not None else 0 for plan in plans] if limits is None else limits
+    keys = [0] * len(plans) if keys is None else keys
+    return bucket_runs(plans, limits, keys)

@@ -236,8 +236,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             if partition == "broadcast":
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
             nvme_copies = self.offload.settings.get("nvme_copies", 2)  # (what its swap engine is made with)
-            plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, stage=stage,
-                              partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
+            plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, device=param.device,
+                              stage=stage, partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
                               opt_tier=opt_tier, world_size=world_size, rank=rank, owner=owner, tile_rows=tile_rows,
                               bucket_bytes=bucket_bytes, requires_grad=param.requires_grad,
                               from_file=read_local is not None, step_in_backward=step_in_backward,
@@ -245,7 +245,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             if owner is not None:
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + param.numel()
             uid = plan.uid
-            record = ParamRecord(name=name, device=param.device, plan=plan, param_ref=weakref.ref(param),
+            record = ParamRecord(name=name, plan=plan, param_ref=weakref.ref(param),
                                  shard=torch.empty(0, dtype=plan.compute_dtype), param_id=id(param),
                                  synced_version=param._version, mesh=mesh,
                                  _ledger=ledger or self._ledger_for(param) or Ledger())

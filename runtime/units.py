@@ -1,7 +1,7 @@
 """Units: what the runtime moves as one piece, and where every element of it sits.
 
 A :class:`ParamLayout` holds the fixed facts of one adopted parameter: its
-name, compute device and plan (runtime/param_plan.py: its shape, how it is
+name and plan (runtime/param_plan.py: its shape, compute device, how it is
 split over ranks, whether it is laid out in row tiles, its dtypes, tiers and
 swap keys).  They never change after adoption, so the store's records carry
 them (``ParamRecord`` is a ``ParamLayout``) and the passes read copies of
@@ -41,7 +41,7 @@ class ZinfUnitError(RuntimeError):
 
 
 # The plan's facts a layout reads as its own (see ParamLayout).
-PLAN_FACTS = ("uid", "shape", "dtype", "compute_dtype", "stage", "partition", "world_size", "rank", "owner",
+PLAN_FACTS = ("uid", "shape", "dtype", "device", "compute_dtype", "stage", "partition", "world_size", "rank", "owner",
               "param_tier", "opt_tier", "tile_rows", "tile_align", "bucket_bytes", "shard_numel", "local_numel",
               "gathered_numel", "numel", "holding_dtype", "row_numel", "params_in_master", "shard_is_param",
               "step_in_backward")
@@ -49,14 +49,13 @@ PLAN_FACTS = ("uid", "shape", "dtype", "compute_dtype", "stage", "partition", "w
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ParamLayout:
-    """One adopted parameter's name, compute device and frozen plan (runtime/param_plan.py).
+    """One adopted parameter's name and frozen plan (runtime/param_plan.py).
 
     Every layout fact is the plan's: a layout reads ``shape``, ``shard_numel``,
     ``tile_rows`` and the rest (:data:`PLAN_FACTS`) through it, and computes none.
     """
 
     name: str
-    device: torch.device  # the compute device (where gathered parameters live)
     plan: "ParamPlan"  # the layout, fixed at adoption (runtime/param_plan.py's plan_param)
 
     @property
@@ -114,7 +113,7 @@ for _name in PLAN_FACTS:
 
 def layout_of(layout: ParamLayout) -> ParamLayout:
     """A plain copy of a record's fixed facts (what the passes may hold without holding the record)."""
-    return ParamLayout(name=layout.name, device=layout.device, plan=layout.plan)
+    return ParamLayout(name=layout.name, plan=layout.plan)
 
 
 @dataclasses.dataclass(frozen=True)

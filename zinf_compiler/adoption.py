@@ -59,7 +59,7 @@ def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]
         if store.lookup(param) is not None:
             continue
         # A broadcast parameter's owner is chosen at adoption: count it as this rank's, the most it can hold.
-        plan = plan_param(uid=0, shape=param.shape, dtype=param.dtype, world_size=shard.world_size,
+        plan = plan_param(uid=0, shape=param.shape, dtype=param.dtype, device=param.device, world_size=shard.world_size,
                           rank=shard.rank, owner=shard.rank, tile_rows=tile_rows, requires_grad=param.requires_grad,
                           nvme_copies=options.nvme_copies, **settings)
         store.plan_shards(plan.local_numel)

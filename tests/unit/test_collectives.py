@@ -88,8 +88,9 @@ class _NoReplicas:
 
 
 def _layout(uid: int, shape, world: int, rank: int, partition: str, tile_rows=None) -> ParamLayout:
-    return ParamLayout(name=f"p{uid}", device=torch.device("cpu"), plan=plan_param(
-        uid=uid, shape=shape, dtype=torch.float32, stage=3, partition=partition, param_dtype=torch.float32,
+    return ParamLayout(name=f"p{uid}", plan=plan_param(
+        uid=uid, device=torch.device("cpu"), shape=shape, dtype=torch.float32, stage=3, partition=partition,
+        param_dtype=torch.float32,
         world_size=world, rank=rank, owner=0 if partition == "broadcast" else None, param_tier="device",
         opt_tier="device", tile_rows=tile_rows))
 

@@ -40,8 +40,9 @@ def test_tile_rows_for_is_the_rule_both_callers_use():
 
 
 def _layout(uid: int, numel: int, *, tiled: bool = False) -> ParamLayout:
-    return ParamLayout(name=f"p{uid}", device=torch.device("cpu"), plan=plan_param(
-        uid=uid, shape=(2, numel // 2) if tiled else (numel,), dtype=torch.float32, stage=3, partition="allgather",
+    return ParamLayout(name=f"p{uid}", plan=plan_param(
+        uid=uid, device=torch.device("cpu"), shape=(2, numel // 2) if tiled else (numel,), dtype=torch.float32,
+        stage=3, partition="allgather",
         param_dtype=torch.float32, world_size=2, rank=0, param_tier="device", opt_tier="device",
         tile_rows=(1, 1) if tiled else None))
 

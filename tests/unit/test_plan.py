@@ -25,8 +25,9 @@ from zinf_compiler.runtime.units import ParamLayout, can_share_unit, unit_of
 def _layout(uid: int, numel: int, world: int, *, dtype=torch.float32, tiled=False, partition="allgather",
             tier="device", stage=3) -> ParamLayout:
     shape = torch.Size((numel,)) if not tiled else torch.Size((2, numel))
-    return ParamLayout(name=f"p{uid}", device=torch.device("cpu"), plan=plan_param(
-        uid=uid, shape=shape, dtype=dtype, stage=stage, partition=partition, param_dtype=dtype, world_size=world,
+    return ParamLayout(name=f"p{uid}", plan=plan_param(
+        uid=uid, device=torch.device("cpu"), shape=shape, dtype=dtype, stage=stage, partition=partition,
+        param_dtype=dtype, world_size=world,
         rank=0, owner=0 if partition == "broadcast" else None, param_tier=tier, opt_tier=tier,
         tile_rows=(1, 1) if tiled else None))
 
