@@ -50,7 +50,7 @@ import torch
 
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
-from .swap_layout import ALIGNMENT, sub_groups
+from .swap_layout import ALIGNMENT
 from .pinned import PinnedPool
 from .records import POOL_WAIT_SECONDS
 
@@ -175,7 +175,7 @@ class EarlyAdam:
     def _pool(self) -> PinnedPool:
         if self.pool is None:
             records = self.records
-            group = max(sub_groups(r.local_numel)[0][1] * 4 + ALIGNMENT for r in records)
+            group = max(r.plan.state_groups[0][1] * 4 + ALIGNMENT for r in records)
             shard = max([r.shard_bytes + ALIGNMENT for r in records if not r.params_in_master] + [0])
             # Groups reading ahead and one writing, three state buffers each; the shards of
             # two parameters in compute dtype (one being written while the next is staged).

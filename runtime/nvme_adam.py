@@ -21,15 +21,15 @@ import dataclasses
 import torch
 
 from .aio import AioError
-from .swap_layout import SUB_GROUP_NUMEL, state_key, sub_groups  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
+from .swap_layout import SUB_GROUP_NUMEL  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def write_initial_master(store, record, local_fp32: torch.Tensor) -> None:
     """At adoption: the fp32 master slice to its swap files, group by group."""
-    for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-        store.write_swap(record.swap, state_key("master", record.uid, index), local_fp32[start:stop])
+    for key, start, stop in record.plan.state_swap("master"):
+        store.write_swap(record.swap, key, local_fp32[start:stop])
 
 
 def adam_kernel(decoupled: bool, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -67,7 +67,7 @@ class SubGroup:
 
 def sub_group_plan(record) -> list[SubGroup]:
     """The sub-groups of ``record``'s state, in order."""
-    return [SubGroup(record, index, start, stop) for index, (start, stop) in enumerate(sub_groups(record.local_numel))]
+    return [SubGroup(record, index, start, stop) for index, (start, stop) in enumerate(record.plan.state_groups)]
 
 
 def take_buffers(group: SubGroup, pool, names, timeout: float) -> bool:
@@ -96,7 +96,7 @@ def start_reads(group: SubGroup, names, first_step: bool, background: bool = Fal
         if name in ("exp_avg", "exp_avg_sq") and first_step:
             group.buffers[name].tensor(torch.float32, group.numel).zero_()
         else:
-            key = state_key(name, group.record.uid, group.index)
+            key = group.record.plan.state_key(name, group.index)
             group.requests.append(group.record.swap.read(key, group.buffers[name], group.numel * 4,
                                                          background=background))
 
@@ -115,7 +115,7 @@ def start_writes(group: SubGroup, keys: list | None = None, hold: bool = False, 
     """Start writing a stepped sub-group's state to its swap keys (each key added to ``keys`` first)."""
     record = group.record
     for name in STATE_NAMES:
-        key = state_key(name, record.uid, group.index)
+        key = record.plan.state_key(name, group.index)
         if keys is not None:
             keys.append(key)
         group.requests.append(record.swap.write(key, group.buffers[name], group.numel * 4, hold=hold,
@@ -230,7 +230,7 @@ class NvmeAdam:
         """
         updated, self._shards_updated = self._shards_updated, []
         for record, group in updated:
-            master = self.store.read_swap(record.swap, state_key("master", record.uid, group.index), torch.float32,
+            master = self.store.read_swap(record.swap, record.plan.state_key("master", group.index), torch.float32,
                                            group.numel, torch.device("cpu"))
             record.shard[group.start : group.stop].copy_(master)
 

@@ -11,6 +11,7 @@ from .aio import AioEngine, AioError
 from .swap_layout import align
 from .comm import MeshComm
 from .ledger import Ledger, ZinfStoreError
+from .param_plan import ParamPlan
 from .units import ParamLayout
 
 
@@ -30,14 +31,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ParamRecord(ParamLayout):
-    """One adopted parameter: its fixed layout (:class:`ParamLayout`) and this rank's state of it."""
+    """One adopted parameter: its fixed layout (:class:`ParamLayout`, whose facts are its frozen ``plan``'s) and
+    this rank's state of it."""
 
     # Weak: the store must not keep a dropped model alive (see ParamStore.adopt).
     param_ref: "weakref.ref[torch.nn.Parameter]"
     param_id: int  # id() of the parameter, its key in the store
     # The resting shard in compute dtype: on the device or on the CPU; for the
     # nvme tier an empty tensor (the data is in the swap file ``param.<uid>``,
-    # or in the master's files: see ParamLayout.params_in_master).
+    # or in the master's files: see ParamPlan.params_in_master).
     shard: torch.Tensor
     # fp32 master of this rank's slice for device/cpu optimizer tiers (the
     # shard itself when they coincide); None for the nvme tier (swap files).
@@ -58,16 +60,11 @@ class ParamRecord(ParamLayout):
     # until every tile of this backward has arrived: (buffer, tiles done).
     grad_pending: "tuple[torch.Tensor, set] | None" = None
     full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
-    # Gathered bytes a bucket of the optimizer's own collectives (stages 1-2) may reach (option bucket_bytes).
-    bucket_bytes: int = 0
     _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
     # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
     synced_version: int = 0
     # The ranks it is sharded over (and, for HSDP, replicated across); set at adoption.
     mesh: "MeshComm | None" = None
-    # Its optimizer step may run during backward, as its gradient lands (option overlap_optimizer;
-    # runtime/early_adam.py): stage 3 with shard and optimizer state on NVMe, nvme_copies=2.
-    step_in_backward: bool = False
     # A weak reference to what takes those early steps (EarlyAdam), once an optimizer is bound.
     grad_listener: "weakref.ref | None" = None
 
@@ -182,54 +179,16 @@ def move_to_empty_storage(param: torch.nn.Parameter) -> None:
         param.data = empty
 
 
-def checked_tile_rows(tile_rows, param: torch.Tensor) -> tuple[int, ...] | None:
-    """``tile_rows`` as a tuple of ints, checked to split ``param``'s rows (None: not tiled)."""
-    if tile_rows is None:
-        return None
-    tile_rows = tuple(int(rows) for rows in tile_rows)
-    if param.dim() < 2 or sum(tile_rows) != param.shape[0] or min(tile_rows) < 1:
-        raise ZinfStoreError(f"tile_rows {tile_rows} do not split the {tuple(param.shape)} parameter's rows")
-    return tile_rows
-
-
 def padded_view(view, offset: int, nbytes: int):
     """``view`` from ``offset`` for ``nbytes`` rounded up to the O_DIRECT alignment (never past its end)."""
     padded = align(nbytes)
     return view[offset : min(len(view), offset + padded)]
 
 
-def local_slice(flat: torch.Tensor, holding_dtype: torch.dtype, partition: str, owner: int | None, tile_rows,
-                 world_size: int, rank: int, tile_align: int) -> torch.Tensor:
-    """This rank's slice of a full flat parameter, in ``holding_dtype`` (fp32, or an integer dtype)."""
-    if partition == "broadcast":
-        return flat.to(holding_dtype, copy=True) if rank == owner else flat.new_empty(0, dtype=holding_dtype)
-    if tile_rows is not None:
-        return tile_major_slice(flat, tile_rows, world_size, rank, tile_align)
-    shard_numel = -(-flat.numel() // world_size)
-    local = torch.zeros(shard_numel, dtype=holding_dtype, device=flat.device)
-    start = rank * shard_numel
-    stop = min(start + shard_numel, flat.numel())
-    if stop > start:
-        local[: stop - start].copy_(flat[start:stop])
+def local_slice(flat: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
+    """This rank's shard of a full flat parameter, laid out as ``plan`` says, in its holding dtype (fp32, or an
+    integer dtype); padding is zero."""
+    local = torch.zeros(plan.local_numel, dtype=plan.holding_dtype, device=flat.device)
+    for first, stop, local_start in plan.local_ranges:
+        local[local_start : local_start + stop - first].copy_(flat[first:stop])
     return local
-
-
-def tile_major_slice(flat: torch.Tensor, tile_rows, world_size: int, rank: int, align: int = 1) -> torch.Tensor:
-    """This rank's fp32 shard of a tiled parameter: its padded slice of every row tile, in tile order.
-
-    Each slice takes a multiple of ``align`` elements (see ParamRecord.tile_align).
-    """
-    row_numel = flat.numel() // sum(tile_rows)
-    pieces, start = [], 0
-    for rows in tile_rows:
-        tile = flat[start : start + rows * row_numel]
-        start += rows * row_numel
-        tile_shard_numel = -(-tile.numel() // world_size)
-        piece = torch.zeros(-(-tile_shard_numel // align) * align, dtype=torch.float32, device=flat.device)
-        lo, hi = rank * tile_shard_numel, min((rank + 1) * tile_shard_numel, tile.numel())
-        if hi > lo:
-            piece[: hi - lo].copy_(tile[lo:hi])
-        pieces.append(piece)
-    return torch.cat(pieces)
-
-

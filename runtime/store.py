@@ -28,19 +28,19 @@ from .aio import AioEngine
 from .comm import Comm, MeshComm
 from .host_memory import available_bytes, ranks_on_node
 from .swap_folders import FolderWatch
-from .swap_layout import ALIGNMENT, SUB_GROUP_NUMEL, state_key, sub_groups
+from .swap_layout import SUB_GROUP_NUMEL
 from .pinned import PinnedPool
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
-from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, checked_tile_rows, local_slice,
-                      move_to_empty_storage, nbytes_of, padded_view, tier_memory)
+from .param_plan import OPTIMIZER_STATES, plan_param
+from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, local_slice, move_to_empty_storage, nbytes_of,
+                      padded_view, tier_memory)
 from .store_accounting import StoreAccounting
 from .store_fetch import FetchSteps
 from .store_grads import GradientSteps
 from .store_offload import OffloadResources
 from .store_publish import PublishSteps
-from .store_values import (local_value_chunks, params_in_master, place_master, place_shard, shard_is_param,
-                           steps_in_backward, write_local)
+from .store_values import local_value_chunks, place_master, place_shard, write_local
 from .transfers import TransferTable
 from .units import Unit
 
@@ -228,52 +228,49 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                     f"parameter {name} shares its storage with other tensors (or is not contiguous); "
                     f"zinf can only shard parameters that own their memory"
                 )
+            if tile_rows is not None and param.is_floating_point() and param.dim() < 2:
+                raise ZinfStoreError(f"tile_rows {tuple(tile_rows)} do not split the {tuple(param.shape)} "
+                                     f"parameter's rows (a tiled parameter has two dimensions or more)")
             world_size, rank = mesh.shard.world_size, mesh.shard.rank
-            # Integer and bool parameters (counters, masks) are never trained: kept
-            # exact in their own dtype, never passed through a float dtype.
-            exact = not param.is_floating_point()
-            compute_dtype = param.dtype if exact else DTYPES[param_dtype]
-            holding_dtype = param.dtype if exact else torch.float32
-            tile_rows = None if exact else checked_tile_rows(tile_rows, param)
-            tile_align = (ALIGNMENT // compute_dtype.itemsize
-                          if tile_rows is not None and param_tier == "nvme" and partition == "allgather" else 1)
             owner = None
             if partition == "broadcast":
                 owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
+            nvme_copies = self.offload.settings.get("nvme_copies", 2)  # (what its swap engine is made with)
+            plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, device=param.device,
+                              stage=stage, partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
+                              opt_tier=opt_tier, world_size=world_size, rank=rank, owner=owner, tile_rows=tile_rows,
+                              bucket_bytes=bucket_bytes, requires_grad=param.requires_grad,
+                              from_file=read_local is not None, step_in_backward=step_in_backward,
+                              nvme_copies=nvme_copies)
+            if owner is not None:
                 self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + param.numel()
-            uid = next(self._uids)
-            record = ParamRecord(uid=uid, name=name, param_ref=weakref.ref(param), stage=stage,
-                                 partition=partition, compute_dtype=compute_dtype, world_size=world_size, rank=rank,
-                                 owner=owner, param_tier=param_tier, opt_tier=opt_tier,
-                                 shard=torch.empty(0, dtype=compute_dtype), tile_rows=tile_rows,
-                                 tile_align=tile_align, shape=param.shape, dtype=param.dtype, device=param.device,
-                                 bucket_bytes=bucket_bytes,
-                                 param_id=id(param), synced_version=param._version, mesh=mesh,
+            uid = plan.uid
+            record = ParamRecord(name=name, plan=plan, param_ref=weakref.ref(param),
+                                 shard=torch.empty(0, dtype=plan.compute_dtype), param_id=id(param),
+                                 synced_version=param._version, mesh=mesh,
                                  _ledger=ledger or self._ledger_for(param) or Ledger())
             if read_local is not None:
                 local = read_local(record)
-                if local.numel() != record.local_numel or local.dtype != holding_dtype:
+                if local.numel() != record.local_numel or local.dtype != plan.holding_dtype:
                     raise ZinfStoreError(f"{name}: read_local gave {local.numel()} {local.dtype} elements for a "
-                                         f"shard of {record.local_numel} {holding_dtype}")
+                                         f"shard of {record.local_numel} {plan.holding_dtype}")
             else:
                 full = param.detach()
                 if world_size > 1:
                     # Like DDP: every rank starts from rank 0's values.
                     mesh.everyone.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
                                         timeout=record.ledger.collective_timeout).wait()
-                local = local_slice(full.reshape(-1), holding_dtype, partition, owner, tile_rows, world_size, rank,
-                                     tile_align)
-            record.shard = local.new_empty(0, dtype=compute_dtype)
-            record.params_in_master = params_in_master(record, param.requires_grad)
+                local = local_slice(full.reshape(-1), plan)
+            record.shard = local.new_empty(0, dtype=plan.compute_dtype)
             grad_bytes = record.local_numel * 4
             if opt_tier == "nvme" and grad_ram_bytes == "auto":
                 grad_ram_bytes = self._auto_grad_ram_bytes()
-            if opt_tier == "nvme" and not exact and self._grad_ram_reserved + grad_bytes <= grad_ram_bytes:
+            trained_float = plan.dtype.is_floating_point
+            if opt_tier == "nvme" and trained_float and self._grad_ram_reserved + grad_bytes <= grad_ram_bytes:
                 record.grad_in_ram = True
                 self._grad_ram_reserved += grad_bytes
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self.offload.engine()
-            record.step_in_backward = steps_in_backward(record, step_in_backward, param.requires_grad)
             self._records[uid] = record
             self._pending_ledgers.pop(id(param), None)
             # The callback runs when the parameter is collected; it must not hold the parameter.
@@ -281,7 +278,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             record.full_storage_bytes = nbytes_of(param)
             self._add_resting("device", record.full_storage_bytes,
                               ledger=record.ledger)  # until release_full_storage (stage 3)
-            record.shard_is_param = shard_is_param(record, param, from_file=read_local is not None)
             place_shard(record, local, self, self._add_resting)
             place_master(record, local, self, self._add_resting)
             return record
@@ -342,8 +338,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             raise ZinfStoreError(f"cannot copy a {tuple(value.shape)} tensor into parameter {record.name} "
                                  f"of shape {tuple(record.shape)}")
         flat = value.detach().to(device=record.device, dtype=record.dtype).reshape(-1)
-        self.assign_local(record, local_slice(flat, record.holding_dtype, record.partition, record.owner,
-                                               record.tile_rows, record.world_size, record.rank, record.tile_align))
+        self.assign_local(record, local_slice(flat, record.plan))
 
     def assign_local(self, record: ParamRecord, local: torch.Tensor) -> None:
         """Write this rank's new slice (local layout, ``record.holding_dtype``) into its shard and master.
@@ -419,9 +414,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         if record.swap is not None:
             for key, _, _ in record.swap_layout():
                 record.swap.forget(key)
-            for index in range(len(sub_groups(record.local_numel))):
-                for name in ("master", "exp_avg", "exp_avg_sq", "grad"):
-                    record.swap.forget(state_key(name, record.uid, index))
+            for state in OPTIMIZER_STATES:
+                for key, _, _ in record.plan.state_swap(state):
+                    record.swap.forget(key)
         if record.owner is not None:
             self._owned_bytes_by_rank[record.owner] -= record.numel
         for key in [key for key in self._units if any(uid == record.uid for uid, _ in key)]:

@@ -9,7 +9,6 @@ import torch
 from .aio import AioError
 from .buckets import bucket_runs
 from .collectives import finish_reduce, padded_rows, start_reduce
-from .swap_layout import state_key, sub_groups
 from .grad_hooks import run_grad_hooks
 from .ledger import ZinfStoreError
 from .transfers import TransferState as State
@@ -180,8 +179,8 @@ class GradientSteps:
         # memory the compiled graph reuses once this op returns, and an accumulated one is only in the staging.
         total = torch.empty(record.local_numel, dtype=torch.float32) if step_now else None
         sq_norm = 0.0
-        for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-            numel, key = stop - start, state_key("grad", record.uid, index)
+        for key, start, stop in record.plan.state_swap("grad"):
+            numel = stop - start
             self._drain_grad_writes(GRAD_WRITES_IN_FLIGHT - 1)
             staging = self.pinned_pool(numel * 4).acquire(numel * 4, timeout=POOL_WAIT_SECONDS)
             try:
@@ -261,8 +260,8 @@ class GradientSteps:
                 # Settles the writes in flight; a failure among them no longer matters to this record.
                 self._drain_grad_writes(0)
                 # Delete the files: the disk then holds what memory_report says.
-                for index in range(len(sub_groups(record.local_numel))):
-                    record.swap.forget(state_key("grad", record.uid, index))
+                for key, _, _ in record.plan.state_swap("grad"):
+                    record.swap.forget(key)
                 record.grad_on_disk = False
                 record.grad_sq_norm = 0.0
                 record.grad_multiplier = 1.0

@@ -3,9 +3,8 @@
 Functions of a record and what they are handed: ``swap_io``, what writes and
 reads swap keys through the pinned pool (``write_swap`` / ``read_swap``: the
 store's), and ``count_resting(tier, nbytes, ledger)``, the store's count of
-resting bytes.  Also the adoption's pure decisions about where a record's
-bytes live (:func:`params_in_master`, :func:`shard_is_param`,
-:func:`steps_in_backward`), read from its layout alone.
+resting bytes.  Where a record's bytes live (``params_in_master``,
+``shard_is_param``) is its plan's (runtime/param_plan.py).
 """
 
 from __future__ import annotations
@@ -16,43 +15,9 @@ import torch
 
 from .nvme_adam import write_initial_master
 from .records import ParamRecord, nbytes_of, tier_memory
-from .swap_layout import ALIGNMENT, SUB_GROUP_NUMEL, state_key, sub_groups
+from .swap_layout import SUB_GROUP_NUMEL
 
 CountResting = Callable[..., None]  # (tier, delta bytes, ledger=...)
-
-
-# --- where the bytes live (decided once, at adoption) --------------------------------------
-
-
-def params_in_master(record: ParamRecord, requires_grad: bool) -> bool:
-    """An fp32 nvme parameter with its optimizer on NVMe keeps no shard of its own: its reads go to the
-    master's keys.  Each master key must start on a block boundary to be read straight into the staging."""
-    return (record.param_tier == "nvme" and record.opt_tier == "nvme" and record.stage > 0
-            and record.compute_dtype == torch.float32 and record.tile_align == 1 and requires_grad
-            and all(start * 4 % ALIGNMENT == 0 for start, _ in sub_groups(record.local_numel)))
-
-
-def shard_is_param(record: ParamRecord, param: torch.Tensor, from_file: bool) -> bool:
-    """Stages 1-2 on one rank, untiled, on the device in the parameter's dtype: the shard is the parameter's own
-    bytes (``from_file``: values read by ``materialize``, never the parameter's)."""
-    return (record.stage in (1, 2) and record.world_size == 1 and record.partition == "allgather"
-            and record.tile_rows is None and record.param_tier == "device" and param.is_floating_point()
-            and record.compute_dtype == param.dtype and not from_file)
-
-
-def steps_in_backward(record: ParamRecord, option: bool | str, requires_grad: bool) -> bool:
-    """Whether the optimizer steps ``record`` during backward (the option overlap_optimizer: True, False or
-    "auto"); only stage-3 trainable float parameters with both tiers on NVMe and two copies per key."""
-    if option == "auto":
-        # On: with the compute on an accelerator the CPU and the disk idle through backward.
-        # On a CPU device too since the gradients stay in RAM by default (nvme_grad_ram_bytes
-        # "auto"): backward then writes no gradients, and the early step's reads and writes fill
-        # the idle disk (1.04-1.29x at world 2, 1.02-1.32x at world 1 in three runs;
-        # benchmarks/RESULTS.md, session 17). Session 13, with every gradient written to disk,
-        # measured -12% to +10%.
-        option = True
-    return bool(option and record.stage == 3 and record.param_tier == "nvme" and record.opt_tier == "nvme"
-                and record.dtype.is_floating_point and requires_grad and record.swap.copies == 2)
 
 
 # --- values in ---------------------------------------------------------------------------
@@ -130,9 +95,8 @@ def local_value_chunks(record: ParamRecord, swap_io, chunk_numel: int = SUB_GROU
         source = record.master
     elif (record.opt_tier == "nvme" and record.stage > 0 and record.dtype.is_floating_point
           and record.owns_state and record.trainable):
-        for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-            yield start, swap_io.read_swap(record.swap, state_key("master", record.uid, index), torch.float32,
-                                           stop - start, torch.device("cpu"))
+        for key, start, stop in record.plan.state_swap("master"):
+            yield start, swap_io.read_swap(record.swap, key, torch.float32, stop - start, torch.device("cpu"))
         return
     elif record.param_tier == "nvme":
         if record.owns_state:

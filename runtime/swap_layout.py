@@ -1,8 +1,9 @@
 """Where an offloaded parameter's bytes sit in the swap files: key names, sub-groups and alignment.
 
-The one home of these facts; everything that writes, reads, forgets or sizes
-a swap key takes them from here (units.py's layouts, the store, the optimizer
-steps, the checkpoint's reads of NVMe-resident state):
+The one home of these facts.  A parameter's own keys and sub-groups are
+built from them once, in its plan (runtime/param_plan.py); the store, the
+optimizer steps and the optimizer's save/load read them from the plan
+(``shard_swap``, ``state_groups``, ``state_swap``, ``state_key``):
 
 * ``ALIGNMENT``: O_DIRECT's block (bytes); swap pieces, pinned blocks and each
   master key's start are multiples of it;

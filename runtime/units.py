@@ -1,10 +1,11 @@
 """Units: what the runtime moves as one piece, and where every element of it sits.
 
 A :class:`ParamLayout` holds the fixed facts of one adopted parameter: its
-shape, how it is split over ranks (``partition``), whether it is laid out in
-row tiles, its dtypes and tiers.  They never change after adoption, so the
-store's records carry them (``ParamRecord`` is a ``ParamLayout``) and the
-passes read copies of them (``layout_of``) to size what they schedule.
+name and plan (runtime/param_plan.py: its shape, compute device, how it is
+split over ranks, whether it is laid out in row tiles, its dtypes, tiers and
+swap keys).  They never change after adoption, so the store's records carry
+them (``ParamRecord`` is a ``ParamLayout``) and the passes read copies of
+them (``layout_of``) to size what they schedule.
 
 A :class:`Unit` is one collective's worth: a whole parameter, one row tile of
 a tiled parameter, or a *bucket* of whole parameters moved together (one
@@ -33,76 +34,29 @@ import functools
 import torch
 
 from .swap_layout import align as _align
-from .swap_layout import param_key, state_key, sub_groups, tile_key
 
 
 class ZinfUnitError(RuntimeError):
     """Parameters that cannot be moved as one unit (different dtypes, devices, tiers or partition)."""
 
 
+# The plan's facts a layout reads as its own (see ParamLayout).
+PLAN_FACTS = ("uid", "shape", "dtype", "device", "compute_dtype", "stage", "partition", "world_size", "rank", "owner",
+              "param_tier", "opt_tier", "tile_rows", "tile_align", "bucket_bytes", "shard_numel", "local_numel",
+              "gathered_numel", "numel", "holding_dtype", "row_numel", "params_in_master", "shard_is_param",
+              "step_in_backward")
+
+
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ParamLayout:
-    """The fixed facts of one adopted parameter (set at adoption, never changed)."""
+    """One adopted parameter's name and frozen plan (runtime/param_plan.py).
 
-    uid: int
+    Every layout fact is the plan's: a layout reads ``shape``, ``shard_numel``,
+    ``tile_rows`` and the rest (:data:`PLAN_FACTS`) through it, and computes none.
+    """
+
     name: str
-    shape: torch.Size
-    dtype: torch.dtype  # the parameter's own dtype (what the graph computes in)
-    device: torch.device  # the compute device (where gathered parameters live)
-    stage: int
-    partition: str  # "allgather" (every rank an equal slice) | "broadcast" (one owner holds it whole)
-    compute_dtype: torch.dtype  # of the shard, of gathers and of reduce-scatters
-    world_size: int
-    rank: int
-    owner: int | None  # partition="broadcast": the rank holding the whole parameter
-    param_tier: str  # "device" | "cpu" | "nvme": where the shard rests between uses
-    opt_tier: str  # "device" | "cpu" | "nvme": where the fp32 master and optimizer state rest
-    # Memory-centric tiling (the ``tile`` pass): rows of the parameter per tile,
-    # or None.  A tiled parameter is laid out tile-major: each row tile is
-    # flattened, padded and split evenly over ranks, and this rank's shard is
-    # its slices of every tile in tile order (see :meth:`tile_local_range`).
-    tile_rows: tuple[int, ...] | None = None
-    # Elements each tile's local slice is padded to (nvme tier: 4096 bytes, so
-    # every tile is its own O_DIRECT swap key and a tile fetch reads only it).
-    tile_align: int = 1
-    # nvme parameter and optimizer tiers, fp32 shard, untiled: the shard is the
-    # fp32 master, so it has no swap file of its own and its reads and writes
-    # go to the master's keys (one copy on disk, no parameter write-back after
-    # each step).  Decided at adoption: the master exists from then on.
-    params_in_master: bool = False
-    # Stages 1-2 at world size 1, on the device in the parameter's own dtype: the
-    # shard is the parameter's storage itself, so the step updates the parameter
-    # in place and nothing is copied back (see ParamStore._shard_is_param).
-    shard_is_param: bool = False
-
-    @property
-    def numel(self) -> int:
-        """Elements of the full parameter."""
-        return self.shape.numel()
-
-    @property
-    def holding_dtype(self) -> torch.dtype:
-        """The dtype of the master and of a checkpoint's values: fp32, or an integer parameter's own."""
-        return self.dtype if not self.dtype.is_floating_point else torch.float32
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements per rank's slice (allgather mode), padding included."""
-        if self.tile_rows is not None:
-            return sum(self.tile_slot_numel(tile) for tile in range(len(self.tile_rows)))
-        return -(-self.numel // self.world_size)
-
-    @property
-    def local_numel(self) -> int:
-        """Elements of this rank's slice (0 where it owns nothing)."""
-        if self.partition == "allgather":
-            return self.shard_numel
-        return self.numel if self.rank == self.owner else 0
-
-    @property
-    def gathered_numel(self) -> int:
-        """Elements a gather of the whole parameter produces (padded to the world size)."""
-        return self.shard_numel * self.world_size if self.partition == "allgather" else self.numel
+    plan: "ParamPlan"  # the layout, fixed at adoption (runtime/param_plan.py's plan_param)
 
     @property
     def owns_state(self) -> bool:
@@ -114,90 +68,52 @@ class ParamLayout:
         """Bytes of this rank's shard in compute dtype."""
         return self.local_numel * self.compute_dtype.itemsize
 
-    # --- tiles (see ``tile_rows``) ---
-
-    @property
-    def row_numel(self) -> int:
-        """Elements per row (first dimension) of the parameter."""
-        return self.numel // self.shape[0] if self.shape and self.shape[0] else 0
-
     def tile_row_range(self, tile: int) -> tuple[int, int]:
         """The rows [start, stop) of row tile ``tile``."""
-        start = sum(self.tile_rows[:tile])
-        return start, start + self.tile_rows[tile]
+        return self.plan.tile_row_range(tile)
 
     def tile_numel(self, tile: int) -> int:
         """Elements of row tile ``tile``."""
-        return self.tile_rows[tile] * self.row_numel
+        return self.plan.tile_numel(tile)
 
     def tile_shard_numel(self, tile: int) -> int:
         """Elements of one rank's slice of ``tile`` (allgather: padded to a multiple of the world size)."""
-        if self.partition == "allgather":
-            return -(-self.tile_numel(tile) // self.world_size)
-        return self.tile_numel(tile)
+        return self.plan.tile_shard_numels[tile]
 
     def tile_slot_numel(self, tile: int) -> int:
         """Elements ``tile`` takes in the local shard: its slice, padded to ``tile_align``."""
-        return -(-self.tile_shard_numel(tile) // self.tile_align) * self.tile_align
+        return self.plan.tile_slot_numel(tile)
 
     def tile_local_range(self, tile: int) -> tuple[int, int]:
         """Where this rank's slice of ``tile`` sits in its flat shard (empty for a non-owner in broadcast mode)."""
-        if self.partition == "broadcast" and self.rank != self.owner:
-            return 0, 0
-        start = sum(self.tile_slot_numel(t) for t in range(tile))
-        return start, start + self.tile_shard_numel(tile)
-
-    # --- swap files and checkpoints ---
-
-    @property
-    def param_key(self) -> str:
-        """The swap key of the parameter's shard (nvme tier)."""
-        return param_key(self.uid)
+        return self.plan.tile_local_ranges[tile]
 
     def swap_layout(self) -> list[tuple[str, int, int]]:
         """(swap key, first element, elements) of the nvme-tier shard: one key, one per tile, or the master's."""
-        if self.params_in_master:
-            return [(state_key("master", self.uid, index), start, stop - start)
-                    for index, (start, stop) in enumerate(sub_groups(self.local_numel))]
-        if self.tile_rows is None or self.tile_align == 1:
-            return [(self.param_key, 0, self.local_numel)]
-        layout = []
-        for tile in range(len(self.tile_rows)):
-            start, _ = self.tile_local_range(tile)
-            layout.append((tile_key(self.uid, tile), start, self.tile_slot_numel(tile)))
-        return layout
+        return list(self.plan.shard_swap)
 
     def owned_ranges(self) -> list[tuple[int, int, int]]:
-        """Which elements of the flat parameter this rank's shard holds, whatever the layout.
+        """Which elements of the flat parameter this rank's shard holds: ``(first, stop, local_start)``.
 
-        ``(first, stop, local_start)``: elements ``first:stop`` of the
-        parameter (row-major) sit at ``local_start`` in the local shard,
-        master and optimizer moments; padding belongs to no range.  What a
-        checkpoint records, so that another world size or layout can read it.
+        Elements ``first:stop`` of the parameter (row-major) sit at
+        ``local_start`` in the local shard, master and optimizer moments;
+        padding belongs to no range.  What a checkpoint records, so that
+        another world size or layout can read it.
         """
-        if self.partition == "broadcast":
-            return [(0, self.numel, 0)] if self.rank == self.owner else []
-        if self.tile_rows is None:
-            first = self.rank * self.shard_numel
-            stop = min(first + self.shard_numel, self.numel)
-            return [(first, stop, 0)] if stop > first else []
-        ranges = []
-        for tile in range(len(self.tile_rows)):
-            tile_first = self.tile_row_range(tile)[0] * self.row_numel
-            slice_numel = self.tile_shard_numel(tile)
-            first = tile_first + self.rank * slice_numel
-            stop = min(first + slice_numel, tile_first + self.tile_numel(tile))
-            if stop > first:
-                ranges.append((first, stop, self.tile_local_range(tile)[0]))
-        return ranges
+        return list(self.plan.local_ranges)
 
 
-_LAYOUT_FIELDS = tuple(field.name for field in dataclasses.fields(ParamLayout))
+def _plan_fact(name: str) -> property:
+    return property(lambda layout: getattr(layout.plan, name), doc=f"The plan's ``{name}`` (runtime/param_plan.py).")
+
+
+for _name in PLAN_FACTS:
+    setattr(ParamLayout, _name, _plan_fact(_name))
 
 
 def layout_of(layout: ParamLayout) -> ParamLayout:
     """A plain copy of a record's fixed facts (what the passes may hold without holding the record)."""
-    return ParamLayout(**{name: getattr(layout, name) for name in _LAYOUT_FIELDS})
+    return ParamLayout(name=layout.name, plan=layout.plan)
 
 
 @dataclasses.dataclass(frozen=True)

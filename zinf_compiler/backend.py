@@ -89,11 +89,12 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
         torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # clipping, model.zero_grad() and torch optimizers must see the shards
         _check_materialized(captured)
-        plan_offload(RUNTIME.store, list(captured.param_tensors.values()), options)
         from zinf_compiler.passes import tile as tile_pass
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
+        plan_offload(RUNTIME.store, [(param, tile_plans.get(position))
+                                     for position, param in captured.param_tensors.items()], options)
         # This graph's parameters count as one model (with any they were grouped
         # with before, e.g. by its optimizer), under this compile's device budget.
         ledger = RUNTIME.store.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
@@ -305,7 +306,7 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, 
     if options.stage == 3 and param.untyped_storage().nbytes() < param.numel() * param.element_size():
         raise ZinfStoreError(f"zinf: parameter {name} holds no memory and zinf has no record of it; "
                              f"was it sharded by another process or a dropped model?")
-    plan_offload(RUNTIME.store, [param], options)
+    plan_offload(RUNTIME.store, [(param, captured.tile_rows.get(slot))], options)
     record = _adopt(captured, slot, param, captured.tile_rows.get(slot), ledger)
     if record.tile_rows != captured.tile_rows.get(slot):
         raise ZinfStoreError(

@@ -85,8 +85,8 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
         names_by_id = _aliases(model)
         _check_weights(files, names_by_id, meta, model, weights)
     reader = RangeReader()
-    plan_offload(store, [p for _, p in meta], parsed)
     mesh = model_mesh(parsed, store.comm)
+    plan_offload(store, [(p, _tile_rows(name, p, parsed, mesh)) for name, p in meta], parsed)
     name_by_id = {id(p): name for name, p in named}
     modules = list(model.modules())
     last_holder = {}  # id(meta param) -> index of the last module holding it
@@ -144,11 +144,7 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
             read_local = None
             if stored is not None:
                 read_local = functools.partial(_read_local, stored, reader=reader)
-            # Without the graph every weight over tile_threshold is laid out in tiles; one the graph does
-            # not multiply (an embedding) is then gathered whole from that layout: it costs only the planning.
-            tile_rows = tile_rows_for(name, real.shape, real.numel() * DTYPES[parsed.param_dtype].itemsize, parsed,
-                                      mesh.shard.world_size, parsed.device_memory_limit, 0)
-            record = adopt(store, real, name, parsed, mesh, tile_rows, read_local=read_local)
+            record = adopt(store, real, name, parsed, mesh, _tile_rows(name, real, parsed, mesh), read_local=read_local)
             store.release_full_storage([record])
             done += real.numel()
         if ready:
@@ -164,6 +160,16 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
                     "in %.1f s", f"{total:,}", human_bytes(4 * total), store_tier(parsed.offload_param),
                     store_tier(parsed.offload_optimizer), time.perf_counter() - started)
     return model
+
+
+def _tile_rows(name: str, param: torch.Tensor, parsed, mesh) -> tuple[int, ...] | None:
+    """The tile plan of a parameter built here (:func:`~zinf_compiler.tile_plan.tile_rows_for`, with no graph).
+
+    Without the graph every weight over tile_threshold is laid out in tiles; one the graph does not
+    multiply (an embedding) is then gathered whole from that layout: it costs only the planning.
+    """
+    return tile_rows_for(name, param.shape, param.numel() * DTYPES[parsed.param_dtype].itemsize, parsed,
+                         mesh.shard.world_size, parsed.device_memory_limit, 0)
 
 
 def _named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

@@ -13,7 +13,6 @@ from typing import Iterator
 
 import torch
 
-from zinf_compiler.runtime.swap_layout import state_key, sub_groups
 from zinf_compiler.runtime.store import ParamRecord, ParamStore
 
 # What NvmeAdam keeps per slot in swap files besides the master (its step count stays in memory).
@@ -51,16 +50,15 @@ class StreamedState:
 
 def read_moment(store: ParamStore, record: ParamRecord, kind: str) -> StreamedState:
     """An NVMe-tier slot's moment ``kind`` (one of NVME_MOMENTS), streamed from its swap files."""
-    chunks = ((start, store.read_swap(record.swap, state_key(kind, record.uid, index), torch.float32, stop - start,
-                                      torch.device("cpu")))
-              for index, (start, stop) in enumerate(sub_groups(record.local_numel)))
+    chunks = ((start, store.read_swap(record.swap, key, torch.float32, stop - start, torch.device("cpu")))
+              for key, start, stop in record.plan.state_swap(kind))
     return StreamedState(torch.float32, chunks)
 
 
 def write_moment(store: ParamStore, record: ParamRecord, kind: str, local: torch.Tensor) -> None:
     """Write this rank's whole moment ``kind`` of an NVMe-tier slot (``local_numel`` elements) to its swap files."""
-    for index, (start, stop) in enumerate(sub_groups(record.local_numel)):
-        store.write_swap(record.swap, state_key(kind, record.uid, index), local[start:stop])
+    for key, start, stop in record.plan.state_swap(kind):
+        store.write_swap(record.swap, key, local[start:stop])
 
 
 def count_state_bytes(inner: torch.optim.Optimizer | None, memory_slots: list[Slot], nvme, nvme_slots: list[Slot],

@@ -5,7 +5,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime import nvme_adam
+from zinf_compiler.runtime import swap_layout
 from zinf_compiler.api import RUNTIME
 
 
@@ -13,10 +13,10 @@ from zinf_compiler.api import RUNTIME
 def small_sub_groups():
     # Several optimizer sub-groups (and gradient swap files) per parameter,
     # as a billion-parameter model has with the real 16M-element groups.
-    saved = nvme_adam.sub_groups.__defaults__
-    nvme_adam.sub_groups.__defaults__ = (1000,)
+    saved = swap_layout.sub_groups.__defaults__
+    swap_layout.sub_groups.__defaults__ = (1000,)
     yield
-    nvme_adam.sub_groups.__defaults__ = saved
+    swap_layout.sub_groups.__defaults__ = saved
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme", "cpu-tiled", "nvme-tiled"])

@@ -14,7 +14,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
-from zinf_compiler.runtime import nvme_adam
+from zinf_compiler.runtime import swap_layout
 from zinf_compiler.api import RUNTIME
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -58,13 +58,13 @@ def _train_side_by_side(tmp_path, freeze: str | None = None, **options):
 @pytest.mark.parametrize("copies, group_numel", [(1, None), (2, None), (1, 1024)])
 def test_fp32_parameters_on_nvme_have_one_copy_on_disk(tmp_path, monkeypatch, copies, group_numel):
     if group_numel is not None:  # several optimizer sub-groups (master keys) per parameter, each read in place
-        monkeypatch.setattr(nvme_adam.sub_groups, "__defaults__", (group_numel,))
+        monkeypatch.setattr(swap_layout.sub_groups, "__defaults__", (group_numel,))
     compiled, opt = _train_side_by_side(tmp_path, nvme_copies=copies)
     records = [RUNTIME.store.lookup(p) for p in compiled.parameters()]
     assert all(record.params_in_master for record in records)
     files = _swap_files(compiled)
     assert not [name for name in files if name.startswith("param.")], files
-    keys = sum(len(nvme_adam.sub_groups(record.local_numel)) for record in records)
+    keys = sum(len(record.plan.state_groups) for record in records)
     assert len([name for name in files if name.startswith("master.")]) == keys
     if group_numel is not None:
         assert keys > len(records)

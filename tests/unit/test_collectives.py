@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 from zinf_compiler.runtime.collectives import finish_reduce, padded_rows, start_gather, start_reduce
 from zinf_compiler.runtime.records import DONE
+from zinf_compiler.runtime.param_plan import plan_param
 from zinf_compiler.runtime.units import ParamLayout, unit_of
 
 
@@ -87,10 +88,11 @@ class _NoReplicas:
 
 
 def _layout(uid: int, shape, world: int, rank: int, partition: str, tile_rows=None) -> ParamLayout:
-    return ParamLayout(uid=uid, name=f"p{uid}", shape=torch.Size(shape), dtype=torch.float32,
-                       device=torch.device("cpu"), stage=3, partition=partition, compute_dtype=torch.float32,
-                       world_size=world, rank=rank, owner=0 if partition == "broadcast" else None,
-                       param_tier="device", opt_tier="device", tile_rows=tile_rows)
+    return ParamLayout(name=f"p{uid}", plan=plan_param(
+        uid=uid, device=torch.device("cpu"), shape=shape, dtype=torch.float32, stage=3, partition=partition,
+        param_dtype=torch.float32,
+        world_size=world, rank=rank, owner=0 if partition == "broadcast" else None, param_tier="device",
+        opt_tier="device", tile_rows=tile_rows))
 
 
 def _shard(layout: ParamLayout, full: torch.Tensor) -> torch.Tensor:

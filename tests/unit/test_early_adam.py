@@ -17,9 +17,9 @@ import types
 import pytest
 import torch
 
-from zinf_compiler.runtime import early_adam, nvme_adam, store as store_module, store_grads, units
+from zinf_compiler.runtime import param_plan, swap_layout
 from zinf_compiler.runtime.early_adam import EarlyAdam
-from zinf_compiler.runtime.nvme_adam import NvmeAdam, state_key
+from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.store import ParamStore
 
@@ -29,9 +29,8 @@ SHAPES = {"a": (5, 500), "b": (3, 7)}  # 2,500 elements: three sub-groups; 21: o
 
 @pytest.fixture(autouse=True)
 def small_sub_groups(monkeypatch):
-    small = functools.partial(nvme_adam.sub_groups, group_numel=GROUP_NUMEL)
-    for module in (nvme_adam, early_adam, store_module, store_grads, units):  # every module that cuts sub-groups
-        monkeypatch.setattr(module, "sub_groups", small)
+    small = functools.partial(swap_layout.sub_groups, group_numel=GROUP_NUMEL)
+    monkeypatch.setattr(param_plan, "sub_groups", small)  # the one place that cuts sub-groups
 
 
 class Side:
@@ -89,9 +88,8 @@ class Side:
             stepped = self.adam.steps.get(record.uid, 0) > 0  # the moments exist from the first step on
             for state in ("master", "exp_avg", "exp_avg_sq") if stepped else ("master",):
                 out[f"{name}.{state}"] = torch.cat([
-                    self.store.read_swap(record.swap, state_key(state, record.uid, index), torch.float32,
-                                          stop - start, torch.device("cpu"))
-                    for index, (start, stop) in enumerate(nvme_adam.sub_groups(record.local_numel))])
+                    self.store.read_swap(record.swap, key, torch.float32, stop - start, torch.device("cpu"))
+                    for key, start, stop in record.plan.state_swap(state)])
             out[f"{name}.param"] = self.store.full_param(record)
         return out
 
@@ -210,7 +208,7 @@ def test_zero_grad_before_the_step_drops_the_early_steps_and_their_held_copies(s
     assert early.adam.early.jobs == {} and early.adam.early.stats["dropped"] == 2
     early.adam.early.finish()  # the dropped jobs' transfers settle
     record = early.records["a"]
-    assert not record.swap.holds([state_key("master", record.uid, 0)])
+    assert not record.swap.holds([record.plan.state_key("master", 0)])
     assert early.step() == set()  # nothing to step: no gradient
     assert all(torch.equal(before[key], value) for key, value in early.state().items())
     assert early.adam.early.pool.in_use_bytes == 0 and early.store.transient["cpu"] == 0

@@ -16,6 +16,7 @@ import torch
 from zinf_compiler.options import parse_options
 from zinf_compiler.runtime.buckets import bucket_runs
 from zinf_compiler.runtime.tiers import TIERS, fetch_steps, store_tier
+from zinf_compiler.runtime.param_plan import plan_param
 from zinf_compiler.runtime.units import ParamLayout
 from zinf_compiler.tile_plan import split_rows, tile_rows_for
 
@@ -39,10 +40,11 @@ def test_tile_rows_for_is_the_rule_both_callers_use():
 
 
 def _layout(uid: int, numel: int, *, tiled: bool = False) -> ParamLayout:
-    return ParamLayout(uid=uid, name=f"p{uid}", shape=torch.Size((2, numel // 2) if tiled else (numel,)),
-                       dtype=torch.float32, device=torch.device("cpu"), stage=3, partition="allgather",
-                       compute_dtype=torch.float32, world_size=2, rank=0, owner=None, param_tier="device",
-                       opt_tier="device", tile_rows=(1, 1) if tiled else None)
+    return ParamLayout(name=f"p{uid}", plan=plan_param(
+        uid=uid, device=torch.device("cpu"), shape=(2, numel // 2) if tiled else (numel,), dtype=torch.float32,
+        stage=3, partition="allgather",
+        param_dtype=torch.float32, world_size=2, rank=0, param_tier="device", opt_tier="device",
+        tile_rows=(1, 1) if tiled else None))
 
 
 def test_bucket_runs_keys_limits_and_units():

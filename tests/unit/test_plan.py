@@ -18,16 +18,18 @@ from hypothesis import given, settings, strategies as st
 
 from zinf_compiler import plan
 from zinf_compiler.module_paths import ModuleBlocks
+from zinf_compiler.runtime.param_plan import plan_param
 from zinf_compiler.runtime.units import ParamLayout, can_share_unit, unit_of
 
 
 def _layout(uid: int, numel: int, world: int, *, dtype=torch.float32, tiled=False, partition="allgather",
             tier="device", stage=3) -> ParamLayout:
     shape = torch.Size((numel,)) if not tiled else torch.Size((2, numel))
-    return ParamLayout(uid=uid, name=f"p{uid}", shape=shape, dtype=dtype, device=torch.device("cpu"), stage=stage,
-                       partition=partition, compute_dtype=dtype if dtype.is_floating_point else dtype,
-                       world_size=world, rank=0, owner=0 if partition == "broadcast" else None,
-                       param_tier=tier, opt_tier=tier, tile_rows=(1, 1) if tiled else None)
+    return ParamLayout(name=f"p{uid}", plan=plan_param(
+        uid=uid, device=torch.device("cpu"), shape=shape, dtype=dtype, stage=stage, partition=partition,
+        param_dtype=dtype, world_size=world,
+        rank=0, owner=0 if partition == "broadcast" else None, param_tier=tier, opt_tier=tier,
+        tile_rows=(1, 1) if tiled else None))
 
 
 def _context(layouts: dict[int, ParamLayout], blocks: dict[int, str], world: int, bucket_bytes: int,
