@@ -16,6 +16,6 @@ if [ "${1:-}" = "--all" ]; then
     select=(-m "")  # every marker: the default run leaves out -m slow
     export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"  # 8 drawn cases per property, not 3
 fi
-# --durations: the slowest tests. The default run's pytest, cold Inductor cache, 2 cores: 9 min 19 s on a machine
-# shared with other test runs (load 3.3; less alone), plus 1.5-2 minutes of install.
+# --durations: the slowest tests. The default run from a fresh clone, cold Inductor cache, 2 cores: 9 min 22 s
+# wall with the install (pytest 7 min 56 s; README, "Setup").
 "$VENV_PYTHON" -m pytest -q --durations=15 "${select[@]}" "$@"
