@@ -481,7 +481,7 @@ class ActivationStore:
         self.peak_held[entry.tier] = max(self.peak_held[entry.tier], self.held[entry.tier])
         self.process.add_activations(entry.tier, delta)
         if entry.ledger is not None:
-            entry.ledger.root().add_activations(entry.tier, delta)
+            entry.ledger.add_activations(entry.tier, delta)
 
     def live_entries(self) -> int:
         """Offloaded activations not yet fetched and freed (0 between steps: none leaked)."""

@@ -51,6 +51,11 @@ class Binding:
         """The store's unit of the parameters bound to ``slots`` (a bucket, or one; ``tile``: that row tile)."""
         return self.store.unit([self.record(slot) for slot in slots], tile)
 
+    def model_ledger(self):
+        """The ledger of the model this call runs (its first bound parameter's group), where its saved
+        activations count; None when no parameter is bound (stage 0)."""
+        return next(iter(self.records.values())).group.ledger if self.records else None
+
     def record(self, slot: int):
         """The store record bound to input ``slot`` of this call; raises naming the graph if none is."""
         try:

@@ -14,9 +14,10 @@ level, except the binding's per-thread current call and the listeners told
 when it changes (runtime/binding.py): that is how a graph's ops are handed the
 call they run in, thread state like torch's grad mode, not state of a model.
 
-What is a model's own is not here: its fp16 loss scaler, device budget,
-collective timeout and mesh live in its :class:`~.ledger.Ledger` and its
-parameters' records, so two models in one process never share them.
+What is a model's own is not here: its parameters' records and plans, its
+ledger, fp16 loss scaler, device budget, collective timeout and mesh live in
+its :class:`~.model_group.ModelGroup`, so two models in one process never
+share them.
 """
 
 from __future__ import annotations

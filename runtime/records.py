@@ -11,6 +11,7 @@ from .aio import AioEngine, AioError
 from .swap_layout import align
 from .comm import MeshComm
 from .ledger import Ledger, ZinfStoreError
+from .model_group import ModelGroup
 from .param_plan import ParamPlan
 from .units import ParamLayout
 
@@ -60,7 +61,7 @@ class ParamRecord(ParamLayout):
     # until every tile of this backward has arrived: (buffer, tiles done).
     grad_pending: "tuple[torch.Tensor, set] | None" = None
     full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
-    _ledger: "Ledger | None" = None  # the model's accounting (see ParamStore.group)
+    group: ModelGroup  # the model it belongs to, for its whole life (see runtime/model_group.py)
     # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
     synced_version: int = 0
     # The ranks it is sharded over (and, for HSDP, replicated across); set at adoption.
@@ -69,9 +70,9 @@ class ParamRecord(ParamLayout):
     grad_listener: "weakref.ref | None" = None
 
     @property
-    def ledger(self) -> "Ledger":
-        """The model's ledger (after merges, the root one) the parameter's bytes are counted in."""
-        return self._ledger.root()
+    def ledger(self) -> Ledger:
+        """The ledger of its model (``group.ledger``), where the parameter's bytes are counted."""
+        return self.group.ledger
 
     @property
     def param(self) -> torch.nn.Parameter:

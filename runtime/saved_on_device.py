@@ -30,13 +30,13 @@ class _SavedOnDevice:
         self.nbytes = nbytes
         self.process.add_activations("device", nbytes)
         if ledger is not None:
-            ledger.root().add_activations("device", nbytes)
+            ledger.add_activations("device", nbytes)
 
     def release(self, *_ignored) -> None:
         if self.nbytes:
             self.process.add_activations("device", -self.nbytes)
             if self.ledger is not None:
-                self.ledger.root().add_activations("device", -self.nbytes)
+                self.ledger.add_activations("device", -self.nbytes)
             self.nbytes = 0
 
     def __del__(self) -> None:

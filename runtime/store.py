@@ -32,6 +32,7 @@ from .swap_layout import SUB_GROUP_NUMEL
 from .pinned import PinnedPool
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
+from .model_group import ModelGroup
 from .param_plan import OPTIMIZER_STATES, plan_param
 from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, local_slice, move_to_empty_storage, nbytes_of,
                       padded_view, tier_memory)
@@ -100,11 +101,11 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         # read); the step refuses it until drop_grads (opt.zero_grad()) discards it.
         self._lost_grads: dict[int, BaseException] = {}
         # Bytes held per tier, for the whole process (every model and the pinned
-        # pool); each model has its own Ledger too (ParamRecord.ledger).
+        # pool); each model has its own too (its ModelGroup's, ParamRecord.ledger).
         self.process = Ledger()
-        # id(param) -> (weak ref, ledger) for parameters grouped before adoption (see group).
-        self._pending_ledgers: dict[int, tuple] = {}
-        self._dropped_pending: queue.SimpleQueue = queue.SimpleQueue()
+        # id(param) -> (weak ref, model group) for parameters claimed before adoption (see claim).
+        self._claimed: dict[int, tuple] = {}
+        self._dropped_claims: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
         self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
         self._transfers = TransferTable()  # every fetch and reduce in flight, each in its state
@@ -178,7 +179,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
 
     def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
               param_tier: str = "device", opt_tier: str = "device",
-              tile_rows: tuple[int, ...] | None = None, ledger: "Ledger | None" = None,
+              tile_rows: tuple[int, ...] | None = None, group: ModelGroup | None = None,
               read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int | str = 0,
               mesh: MeshComm | None = None, step_in_backward: bool | str = False) -> ParamRecord:
@@ -189,8 +190,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         rows per tile of a parameter the ``tile`` pass splits (laid out
         tile-major, see :class:`ParamRecord`); a parameter adopted before keeps
         its first layout (read it back from the record's ``tile_rows``).
-        ``ledger``: the model whose bytes it counts in (default: the group it
-        was put in by :meth:`group`, else a ledger of its own).
+        ``group``: the model it belongs to if no :meth:`claim` put it in one
+        before (default: a new group of its own).
         ``read_local``: where this rank's slice comes from instead of the
         parameter's own values (``materialize`` from a weights file): called
         with the new record, it returns the local slice (see
@@ -231,6 +232,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             if tile_rows is not None and param.is_floating_point() and param.dim() < 2:
                 raise ZinfStoreError(f"tile_rows {tuple(tile_rows)} do not split the {tuple(param.shape)} "
                                      f"parameter's rows (a tiled parameter has two dimensions or more)")
+            group = self.group_of(param) or group or ModelGroup()  # a claim made before wins
+            group.check_mesh(mesh, name)
             world_size, rank = mesh.shard.world_size, mesh.shard.rank
             owner = None
             if partition == "broadcast":
@@ -248,7 +251,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             record = ParamRecord(name=name, plan=plan, param_ref=weakref.ref(param),
                                  shard=torch.empty(0, dtype=plan.compute_dtype), param_id=id(param),
                                  synced_version=param._version, mesh=mesh,
-                                 _ledger=ledger or self._ledger_for(param) or Ledger())
+                                 group=group)
             if read_local is not None:
                 local = read_local(record)
                 if local.numel() != record.local_numel or local.dtype != plan.holding_dtype:
@@ -259,7 +262,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 if world_size > 1:
                     # Like DDP: every rank starts from rank 0's values.
                     mesh.everyone.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
-                                        timeout=record.ledger.collective_timeout).wait()
+                                        timeout=record.group.collective_timeout).wait()
                 local = local_slice(full.reshape(-1), plan)
             record.shard = local.new_empty(0, dtype=plan.compute_dtype)
             grad_bytes = record.local_numel * 4
@@ -272,7 +275,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             if "nvme" in (param_tier, opt_tier):
                 record.swap = self.offload.engine()
             self._records[uid] = record
-            self._pending_ledgers.pop(id(param), None)
+            record.group.join(record)
+            self._claimed.pop(id(param), None)
             # The callback runs when the parameter is collected; it must not hold the parameter.
             self._by_param[id(param)] = _ParamRef(param, functools.partial(self._forget_param, uid), uid)
             record.full_storage_bytes = nbytes_of(param)
@@ -379,12 +383,12 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         """
         while True:
             try:
-                param_id = self._dropped_pending.get_nowait()
+                param_id = self._dropped_claims.get_nowait()
             except queue.Empty:
                 break
-            entry = self._pending_ledgers.get(param_id)
+            entry = self._claimed.get(param_id)
             if entry is not None and entry[0]() is None:
-                del self._pending_ledgers[param_id]
+                del self._claimed[param_id]
         while True:
             try:
                 uid = self._dropped.get_nowait()
@@ -421,6 +425,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             self._owned_bytes_by_rank[record.owner] -= record.numel
         for key in [key for key in self._units if any(uid == record.uid for uid, _ in key)]:
             del self._units[key]
+        record.group.leave(record)
 
     def records(self) -> list[ParamRecord]:
         """Every adopted parameter's record (call :meth:`collect` first to drop collected parameters')."""

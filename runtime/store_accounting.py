@@ -1,4 +1,4 @@
-"""Bytes held per tier, for the process and per model, and the models' ledgers (part of ParamStore)."""
+"""Bytes held per tier, for the process and per model, and the model groups' (part of ParamStore)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Iterable
 
 import torch
 
-from .ledger import Ledger, merge_ledgers
+from .ledger import Ledger
+from .model_group import ModelGroup
 from .records import tier_memory
 
 
@@ -21,7 +22,7 @@ def _process_figure(name: str) -> property:
 
 
 class StoreAccounting:
-    """The accounting of :class:`~.store.ParamStore` (uses its ``process`` ledger, records and pending ledgers)."""
+    """The accounting of :class:`~.store.ParamStore` (uses its ``process`` ledger, records and claims)."""
 
     def _add_resting(self, tier: str, delta: int, ledger: "Ledger | None" = None) -> None:
         """Count ``delta`` resting bytes on ``tier``: for the process and for ``ledger``'s model (None: shared)."""
@@ -51,64 +52,65 @@ class StoreAccounting:
     def reset_peak(self) -> None:
         """A new peak window for the process and every model."""
         self.process.reset_peak()
-        for ledger in {id(r.ledger): r.ledger for r in self._records.values()}.values():
-            ledger.reset_peak()
+        for group in {id(r.group): r.group for r in self._records.values()}.values():
+            group.ledger.reset_peak()
 
     # --- models ------------------------------------------------------------------
 
-    def group(self, params: Iterable[torch.Tensor], device_memory_limit=_UNSET, collective_timeout=_UNSET) -> "Ledger":
-        """Account ``params`` as one model: one ledger for those adopted, and for the rest when they are.
+    def claim(self, params: Iterable[torch.Tensor], device_memory_limit=_UNSET,
+              collective_timeout=_UNSET) -> ModelGroup:
+        """Count ``params`` as one model's: those in no group yet join the group the others already share
+        (the first of them, in ``params``' order), else a new one; returns that group.
 
-        The optimizer and ``memory_report`` call this with a model's
-        parameters; graphs adopt theirs as a group too.  Ledgers that meet
-        merge (their figures add up; a merged peak is the sum of peaks, an
-        upper bound).
+        Parameters already in a group stay in it (groups never merge; see runtime/model_group.py).  The
+        compile that adopts a graph's parameters claims them, and so do an optimizer or a checkpoint load
+        that comes before it.  ``device_memory_limit`` / ``collective_timeout``, if given (a compile's
+        options), configure every group ``params`` belong to.
         """
         self.collect()
-        ledgers, pending = [], []
+        params = list(params)
+        groups = self.groups_of(params)
+        home = groups[0] if groups else ModelGroup()
         for param in params:
-            record = self.lookup(param)
-            if record is not None:
-                ledgers.append(record.ledger)
-            else:
-                pending.append(param)
-        ledger = merge_ledgers(ledgers) if ledgers else None
-        for param in pending:
-            entry = self._pending_ledgers.get(id(param))
-            if entry is not None and entry[0]() is param:
-                ledger = merge_ledgers([ledger, entry[1]]) if ledger is not None else entry[1].root()
-        if ledger is None:
-            ledger = Ledger()
-        for param in pending:
-            self._pending_ledgers[id(param)] = (weakref.ref(param, functools.partial(self._forget_pending, id(param))),
-                                                ledger)
-        if device_memory_limit is not _UNSET:
-            ledger.device_memory_limit = device_memory_limit
-        if collective_timeout is not _UNSET:
-            ledger.collective_timeout = collective_timeout
-        return ledger
+            if self.group_of(param) is None:
+                self._claimed[id(param)] = (weakref.ref(param, functools.partial(self._forget_claim, id(param))),
+                                            home)
+        if device_memory_limit is not _UNSET or collective_timeout is not _UNSET:
+            for group in groups or [home]:
+                group.configure(
+                    device_memory_limit=group.device_memory_limit if device_memory_limit is _UNSET
+                    else device_memory_limit,
+                    collective_timeout=group.collective_timeout if collective_timeout is _UNSET
+                    else collective_timeout)
+        return home
 
-    def ledgers_of(self, params: Iterable[torch.Tensor]) -> list["Ledger"]:
-        """The ledgers ``params`` are counted in (each once), read only: unlike :meth:`group`, nothing merges
-        and nothing is registered, so a report on one model never changes another's figures."""
-        self.collect()
-        found: dict[int, Ledger] = {}
+    def group_of(self, param: torch.Tensor) -> ModelGroup | None:
+        """The model group ``param`` belongs to (adopted, or claimed before adoption), or None: the one
+        documented way from a parameter to its model."""
+        record = self.lookup(param)
+        if record is not None:
+            return record.group
+        entry = self._claimed.get(id(param))
+        if entry is not None and entry[0]() is param:
+            return entry[1]
+        return None
+
+    def groups_of(self, params: Iterable[torch.Tensor]) -> list[ModelGroup]:
+        """The groups ``params`` belong to, each once, in the order first met; read only (a report on one
+        model never changes another's)."""
+        return [group for group, _ in self.params_by_group(params)]
+
+    def params_by_group(self, params: Iterable[torch.Tensor]) -> list[tuple[ModelGroup, list[torch.Tensor]]]:
+        """``params`` (those in a group) split by their group, groups in the order first met."""
+        found: dict[int, tuple[ModelGroup, list]] = {}
         for param in params:
-            record = self.lookup(param)
-            ledger = record.ledger.root() if record is not None else self._ledger_for(param)
-            if ledger is not None:
-                found.setdefault(id(ledger), ledger)
+            group = self.group_of(param)
+            if group is not None:
+                found.setdefault(id(group), (group, []))[1].append(param)
         return list(found.values())
 
-    def _forget_pending(self, param_id: int, _ref) -> None:
-        self._dropped_pending.put(param_id)
-
-    def _ledger_for(self, param: torch.Tensor) -> "Ledger | None":
-        """The ledger a not-yet-adopted parameter was grouped into (see :meth:`group`), if any."""
-        entry = self._pending_ledgers.get(id(param))
-        if entry is not None and entry[0]() is param:
-            return entry[1].root()
-        return None
+    def _forget_claim(self, param_id: int, _ref) -> None:
+        self._dropped_claims.put(param_id)
 
     def held_tensors(self, params: Iterable[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
         """The tensors the store holds in memory for ``params`` (default: all), by kind.

@@ -13,7 +13,7 @@ import torch
 from .aio import AioError
 from .collectives import start_gather
 from .comm import Comm
-from .ledger import Ledger, ZinfStoreError
+from .ledger import ZinfStoreError
 from .transfers import Transfer, TransferState as State
 from .tiers import fetch_steps
 from .records import DONE, POOL_WAIT_SECONDS, ParamRecord, finish_copies, nbytes_of, padded_view
@@ -41,8 +41,11 @@ class FetchSteps:
             unit = self._units[key] = unit_of(records, tile)
         return unit
 
-    def _ledger_of(self, unit: Unit) -> "Ledger":
-        return unit.pieces[0].layout.ledger
+    @staticmethod
+    def _group_of(unit: Unit) -> "ModelGroup":
+        """The model of the unit's first parameter, whose ledger counts the unit's bytes and whose timeout
+        bounds its collectives."""
+        return unit.pieces[0].layout.group
 
     @staticmethod
     def _shard_comm(unit: Unit) -> Comm:
@@ -76,7 +79,7 @@ class FetchSteps:
         from_nvme = unit.pieces[0].layout.param_tier == "nvme"
         transfer = self._transfers.move(unit, "cg_start", State.READ if from_nvme else State.NEW, State.COPYING)
         staging = transfer.staging
-        self._add_transient("device", unit.sizes.local, what=f"cg_start of {unit.name}", ledger=self._ledger_of(unit))
+        self._add_transient("device", unit.sizes.local, what=f"cg_start of {unit.name}", ledger=self._group_of(unit).ledger)
         on_device = torch.empty(unit.local_numel, dtype=unit.compute_dtype, device=unit.device)
         works, at = [], 0
         for index, piece in enumerate(unit.pieces):
@@ -105,7 +108,7 @@ class FetchSteps:
         if self._transfers.has(unit, State.STAGED):
             transfer = self._transfers.move(unit, "gather_start", State.STAGED, State.GATHERING)
             local, transfer.value = transfer.value, None
-            self._add_transient("device", -nbytes_of(local), ledger=self._ledger_of(unit))
+            self._add_transient("device", -nbytes_of(local), ledger=self._group_of(unit).ledger)
             return transfer, [local]
         if self._rests_on_device(unit):
             slices = [piece.layout.shard[piece.local_range[0] : piece.local_range[1]] for piece in unit.pieces]
@@ -128,24 +131,24 @@ class FetchSteps:
     def gather_start(self, unit: Unit) -> None:
         """Start assembling the unit's parameters (all-gather of slices, or broadcast from the owner)."""
         transfer, local = self._start_gather_from_local_input(unit)
-        ledger = self._ledger_of(unit)
-        self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=ledger)
+        group = self._group_of(unit)
+        self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=group.ledger)
         if unit.world_size == 1 and unit.partition == "allgather" and not self._rests_on_device(unit):
             # The cg step's fresh device copy already is the whole unit: no collective, no copy.
             transfer.work, transfer.value = DONE, local[0]
             return
-        transfer.work, transfer.value = start_gather(unit, local, self._shard_comm(unit), ledger.collective_timeout)
+        transfer.work, transfer.value = start_gather(unit, local, self._shard_comm(unit), group.collective_timeout)
 
     def gather_wait(self, unit: Unit) -> list[torch.Tensor]:
         """Finish the oldest gather of ``unit``: each piece's full value, in its parameter's dtype."""
         transfer = self._transfers.move(unit, "gather_wait", State.GATHERING, State.DONE)
         matrix = transfer.value
         transfer.work.wait()
-        ledger = self._ledger_of(unit)
+        group = self._group_of(unit)
         # A bucket's values are copied out of the matrix; both exist until this returns.
         copy_out = unit.sizes.copy_out
         if copy_out:
-            self._add_transient("device", copy_out, what=f"gather_wait of {unit.name} (copy-out)", ledger=ledger)
+            self._add_transient("device", copy_out, what=f"gather_wait of {unit.name} (copy-out)", ledger=group.ledger)
         try:
             values = []
             for index, piece in enumerate(unit.pieces):
@@ -155,7 +158,7 @@ class FetchSteps:
                 values.append(value)
         finally:
             if copy_out:
-                self._add_transient("device", -copy_out, ledger=ledger)
+                self._add_transient("device", -copy_out, ledger=group.ledger)
         return values
 
     def release(self, unit: Unit) -> None:
@@ -164,7 +167,7 @@ class FetchSteps:
         The memory itself goes when the graph drops its last reference, right
         after this op (the generated code frees values after their last use).
         """
-        self._add_transient("device", -unit.sizes.gathered, ledger=self._ledger_of(unit))
+        self._add_transient("device", -unit.sizes.gathered, ledger=self._group_of(unit).ledger)
 
 
     def abandon_transfers(self) -> None:

@@ -29,13 +29,13 @@ class GradientSteps:
 
     def reduce_grad_start(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         """Start averaging each piece's gradient over ranks into this rank's slices (or to the owner)."""
-        ledger = self._ledger_of(unit)
+        group = self._group_of(unit)
         if len(grads) != len(unit.pieces):
             raise ZinfStoreError(f"reduce_grad_start of {unit.name}: {len(grads)} gradients for "
                                  f"{len(unit.pieces)} parameters")
         # The gradients the graph hands over are device memory too, until this op returns.
         grad_bytes = sum(nbytes_of(grad) for grad in grads)
-        self._add_transient("device", grad_bytes, what=f"reduce_grad_start of {unit.name}", ledger=ledger)
+        self._add_transient("device", grad_bytes, what=f"reduce_grad_start of {unit.name}", ledger=group.ledger)
         try:
             flats = []
             for piece, grad in zip(unit.pieces, grads):
@@ -47,7 +47,7 @@ class GradientSteps:
                     raise ZinfStoreError(f"reduce_grad_start of {piece.layout.name}: a gradient of {flat.numel()} "
                                          f"elements for {piece.numel}")
                 if unit.compute_dtype == torch.float16:
-                    flat = flat * ledger.fp16_scaler.scale  # keep small gradients representable in fp16
+                    flat = flat * group.fp16_scaler.scale  # keep small gradients representable in fp16
                 flats.append(flat)
             if unit.sizes.reduce == 0:
                 # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
@@ -57,12 +57,12 @@ class GradientSteps:
                 transfer.work = DONE  # and no value: added already
                 return
             self._add_transient("device", unit.sizes.reduce, what=f"reduce_grad_start of {unit.name}",
-                                ledger=ledger)
-            work, out = start_reduce(unit, flats, self._shard_comm(unit), ledger.collective_timeout)
+                                ledger=group.ledger)
+            work, out = start_reduce(unit, flats, self._shard_comm(unit), group.collective_timeout)
             transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
             transfer.work, transfer.value = work, out
         finally:
-            self._add_transient("device", -grad_bytes, ledger=ledger)
+            self._add_transient("device", -grad_bytes, ledger=group.ledger)
 
     def reduce_grad_wait(self, unit: Unit) -> None:
         """Finish the oldest reduce of ``unit`` and add each piece's slice to its gradient shard.
@@ -77,13 +77,13 @@ class GradientSteps:
         self._advance_background()
         if out is None:
             return  # added at the start (world size 1)
-        ledger = self._ledger_of(unit)
-        self._add_transient("device", -unit.sizes.reduce, ledger=ledger)
-        out = finish_reduce(unit, out, unit.pieces[0].layout.mesh, ledger.collective_timeout)
+        group = self._group_of(unit)
+        self._add_transient("device", -unit.sizes.reduce, ledger=group.ledger)
+        out = finish_reduce(unit, out, unit.pieces[0].layout.mesh, group.collective_timeout)
         if out is None:
             return  # a broadcast partition's gradient is the owner's
         if unit.compute_dtype == torch.float16:
-            scaler = self._ledger_of(unit).fp16_scaler  # the model's own (one model's overflow is not another's)
+            scaler = self._group_of(unit).fp16_scaler  # the model's own (one model's overflow is not another's)
             out = out.to(torch.float32) / scaler.scale
             scaler.check(out)
         whole = len(unit.pieces) == 1  # ``out`` is then the piece's own, fresh tensor

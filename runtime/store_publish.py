@@ -60,7 +60,7 @@ class PublishSteps:
             if not self._shard_is_param(record):
                 (in_place if self._refreshed_in_place(record) else bucketed).append(record)
         works = [r.mesh.shard.fill_slices(r.param.data.view(-1), r.shard, f"all_gather of {r.name} (refresh)",
-                                          r.ledger.collective_timeout) for r in in_place]
+                                          r.group.collective_timeout) for r in in_place]
         units = self._bucketed(bucketed)
         for unit in units:
             self.gather_start(unit)

@@ -34,13 +34,13 @@ def _store_settings(options: ZinfOptions) -> dict:
 
 
 def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, tile_rows: tuple[int, ...] | None,
-          ledger=None, read_local: Callable | None = None):
+          group=None, read_local: Callable | None = None):
     """Shard ``param`` into ``store`` with the tiers, dtype and layout ``options`` name; returns its record.
 
     ``tile_rows``: the tile plan (:func:`zinf_compiler.tile_plan.tile_rows_for`), None for an untiled
-    parameter; ``ledger`` and ``read_local`` as for ``ParamStore.adopt``.
+    parameter; ``group`` and ``read_local`` as for ``ParamStore.adopt``.
     """
-    return store.adopt(param, name, tile_rows=tile_rows, ledger=ledger, read_local=read_local,
+    return store.adopt(param, name, tile_rows=tile_rows, group=group, read_local=read_local,
                        grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **_store_settings(options))
 
 

@@ -132,9 +132,9 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     for opt in list(RUNTIME.optimizers):
         for tier, nbytes in opt.state_bytes(ids).items():
             report[tier]["optimizer"] += nbytes
-    # Read only (ledgers_of, not group): reporting never merges this model's ledgers with anything.  Parameters
-    # counted in several ledgers (parts never grouped as one model) add up; a sum of peaks is an upper bound.
-    ledgers = RUNTIME.store.ledgers_of(params)
+    # Read only: reporting claims nothing.  A model in several groups (parts compiled before any optimizer
+    # or load claimed them together) adds its groups' figures up; a sum of peaks is an upper bound.
+    ledgers = [group.ledger for group in RUNTIME.store.groups_of(params)]
     for tier in report:
         report[tier]["activations"] = sum(ledger.activations[tier] for ledger in ledgers)
     report["peak"] = {tier: sum(ledger.peak[tier] for ledger in ledgers) for tier in ("device", "cpu")}
@@ -152,5 +152,5 @@ def reset_peak_memory(model: torch.nn.Module | None = None) -> None:
     if model is None:
         RUNTIME.store.reset_peak()
     else:
-        for ledger in RUNTIME.store.ledgers_of(_unique_params(model)):
-            ledger.reset_peak()
+        for group in RUNTIME.store.groups_of(_unique_params(model)):
+            group.ledger.reset_peak()

@@ -79,7 +79,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     captured.mesh = model_mesh(options, RUNTIME.store.comm)
     captured.world_size = captured.mesh.shard.world_size
     # Collectives of no model (stage 0's all-reduce, checkpoints' exchanges): the last compile's setting;
-    # each model's own use its ledger's (set below).
+    # each model's own use its model group's (set below, ParamStore.claim).
     RUNTIME.store.comm.timeout = options.collective_timeout
     if captured.mesh.everyone.world_size > 1:
         _agree_before_compiling(captured)
@@ -95,12 +95,12 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
         plan_offload(RUNTIME.store, [(param, tile_plans.get(position))
                                      for position, param in captured.param_tensors.items()], options)
-        # This graph's parameters count as one model (with any they were grouped
-        # with before, e.g. by its optimizer), under this compile's device budget.
-        ledger = RUNTIME.store.group(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
-                             collective_timeout=options.collective_timeout)
+        # This graph's parameters are one model's (the group an optimizer, a load or an earlier graph claimed
+        # them for, else a new one), under this compile's device budget and timeout.
+        RUNTIME.store.claim(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
+                            collective_timeout=options.collective_timeout)
         for position, param in captured.param_tensors.items():
-            record = _adopt(captured, position, param, tile_plans.get(position), ledger)
+            record = _adopt(captured, position, param, tile_plans.get(position))
             if record.tile_rows is not None:
                 captured.tile_rows[position] = record.tile_rows
             captured.layouts[position] = layout_of(record)
@@ -198,9 +198,9 @@ def _agree_before_backward(outputs, captured: CapturedGraph) -> None:
 _AGREEMENT_KEY = "zinf_rank_agreement"
 
 
-def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows, ledger):
-    return adopt(RUNTIME.store, param, captured.inputs[position].name, captured.options, captured.mesh, tile_rows,
-                 ledger=ledger)
+def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows):
+    """Adopt a graph parameter into the model group it was claimed for (see ParamStore.claim)."""
+    return adopt(RUNTIME.store, param, captured.inputs[position].name, captured.options, captured.mesh, tile_rows)
 
 
 def _check_materialized(captured: CapturedGraph) -> None:
@@ -248,11 +248,12 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
                 )
             records[slot] = record
         if unseen:
-            ledger = RUNTIME.store.group([args[slot] for slot in slots],
-                                 device_memory_limit=captured.options.device_memory_limit,
-                                 collective_timeout=captured.options.collective_timeout)
+            # (A new instance's parameters: a new group of their own; the rest join the group of those seen.)
+            RUNTIME.store.claim([args[slot] for slot in slots],
+                                device_memory_limit=captured.options.device_memory_limit,
+                                collective_timeout=captured.options.collective_timeout)
             for slot in unseen:
-                records[slot] = _adopt_at_run_time(captured, slot, args[slot], ledger)
+                records[slot] = _adopt_at_run_time(captured, slot, args[slot])
         if captured.options.stage >= 2:
             for slot, record in records.items():
                 claim_grad_hooks(args[slot], record.name, tiled=record.tile_rows is not None)
@@ -289,8 +290,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
         bind_backward(outputs, binding)
         if check_calls:
             _agree_before_backward(outputs, captured)
-        ledger = next(iter(binding.records.values())).ledger if binding.records else None
-        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
+        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), binding.model_ledger())
         return outputs
 
     functools.update_wrapper(run, compiled)
@@ -298,7 +298,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
     return run
 
 
-def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, ledger):
+def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor):
     options = captured.options
     name = captured.inputs[slot].name
     if param.is_meta:
@@ -307,7 +307,7 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor, 
         raise ZinfStoreError(f"zinf: parameter {name} holds no memory and zinf has no record of it; "
                              f"was it sharded by another process or a dropped model?")
     plan_offload(RUNTIME.store, [(param, captured.tile_rows.get(slot))], options)
-    record = _adopt(captured, slot, param, captured.tile_rows.get(slot), ledger)
+    record = _adopt(captured, slot, param, captured.tile_rows.get(slot))
     if record.tile_rows != captured.tile_rows.get(slot):
         raise ZinfStoreError(
             f"zinf graph {captured.graph_id}: parameter {name} was laid out in row tiles {record.tile_rows}, "

@@ -87,6 +87,10 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
     reader = RangeReader()
     mesh = model_mesh(parsed, store.comm)
     plan_offload(store, [(p, _tile_rows(name, p, parsed, mesh)) for name, p in meta], parsed)
+    # One model group for the model: its parameters built here, and any built outside the meta device
+    # (which torch.compile adopts later, into this group).
+    group = store.claim([p for _, p in named if not p.is_meta], device_memory_limit=parsed.device_memory_limit,
+                        collective_timeout=parsed.collective_timeout)
     name_by_id = {id(p): name for name, p in named}
     modules = list(model.modules())
     last_holder = {}  # id(meta param) -> index of the last module holding it
@@ -144,7 +148,8 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
             read_local = None
             if stored is not None:
                 read_local = functools.partial(_read_local, stored, reader=reader)
-            record = adopt(store, real, name, parsed, mesh, _tile_rows(name, real, parsed, mesh), read_local=read_local)
+            record = adopt(store, real, name, parsed, mesh, _tile_rows(name, real, parsed, mesh), group=group,
+                           read_local=read_local)
             store.release_full_storage([record])
             done += real.numel()
         if ready:

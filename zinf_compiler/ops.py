@@ -184,8 +184,7 @@ def _(grad):
 
 def _model_ledger():
     """The ledger of the model whose call is running (None at stage 0: no parameters are bound)."""
-    records = binding.current().records
-    return next(iter(records.values())).ledger if records else None
+    return binding.current().model_ledger()
 
 
 def _activations():

@@ -39,6 +39,7 @@ from zinf_compiler.runtime.store import ParamRecord
 from zinf_compiler.api import RUNTIME
 
 from . import torch_patches
+from zinf_compiler.runtime.model_group import agree_on_skip
 from .optim_state import NVME_MOMENTS, Slot, StreamedState, count_state_bytes, read_moment, unaccount_state, write_moment
 from .optim_step import (average_uncaptured_grads, clip_grad_norm, host_memory_bounded, invalidate_unwritten,
                          make_inner, params_not_written, publish_unwritten, step_and_publish, step_nvme)
@@ -78,14 +79,16 @@ class ZinfOptimizer(torch.optim.Optimizer):
         # again if it binds anew before its first step (parameters adopted after the load).
         self._saved_state = None
         self._saved_state_applied = False
-        self._state_bytes = {"device": 0, "cpu": 0}
+        # Moment bytes counted per model group: id(group) -> [group, {tier: bytes}] (see _account_state).
+        self._state_bytes: dict[int, list] = {}
         # clip_grad_norm_ scaled this step's gradients: no step taken during backward counts.
         self._clipped = False
-        # One optimizer, one model: its parameters share a ledger (memory_report, device_memory_limit).
-        self._ledger = self._store.group(p for group in self.param_groups for p in group["params"])
+        # One optimizer, one model: its parameters not yet in a model group join the group the others share
+        # (else a new one), which the compile that adopts them keeps (see ParamStore.claim).
+        self._store.claim(p for group in self.param_groups for p in group["params"])
         RUNTIME.optimizers.add(self)
         # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
-        weakref.finalize(self, unaccount_state, self._store, self._state_bytes, self._ledger)
+        weakref.finalize(self, unaccount_state, self._store, self._state_bytes)
 
     # --- binding to the store ----------------------------------------------------
 
@@ -186,7 +189,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _collective_timeout(self):
         """This optimizer's model's collective timeout (None: the communicator's)."""
         records = self._records()
-        return records[0].ledger.collective_timeout if records else None
+        return records[0].group.collective_timeout if records else None
 
     def _reduce_full_grads(self) -> None:
         """Average the gradients no graph averaged: stage 1's, and those of parameters no graph used."""
@@ -246,9 +249,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         fp16_records = [r for r in self._records() if r.compute_dtype == torch.float16]
         if fp16_records:
             # On the compute device: the shard may rest on the CPU, which NCCL cannot reduce.
-            # The scale of this optimizer's model (its parameters share one ledger: ParamStore.group).
-            ledger = fp16_records[0].ledger
-            if ledger.fp16_scaler.should_skip_step(self._mesh().everyone, fp16_records[0].device, ledger.collective_timeout):
+            # The scales of this optimizer's model groups (one, unless its model was compiled in parts before
+            # the optimizer existed): one decision for all of them, which keeps them in step.
+            scalers = [group.fp16_scaler for group in self._store.groups_of(r.param for r in fp16_records)]
+            if agree_on_skip(scalers, self._mesh().everyone, fp16_records[0].device, self._collective_timeout()):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 self._store.drop_grads(self._records())
                 self._tracer.step_done()
@@ -431,10 +435,14 @@ class ZinfOptimizer(torch.optim.Optimizer):
                                  [slot for slot, _ in self._nvme_slots], params)
 
     def _account_state(self) -> None:
-        held = self.state_bytes()
-        for tier in ("device", "cpu"):
-            self._store.add_optimizer_bytes(tier, held[tier] - self._state_bytes[tier], ledger=self._ledger.root())
-            self._state_bytes[tier] = held[tier]
+        """Count the moments' bytes in the ledger of each parameter's model group (the change since last)."""
+        params = [param for param_group in self.param_groups for param in param_group["params"]]
+        for group, members in self._store.params_by_group(params):
+            held = self.state_bytes({id(param) for param in members})
+            counted = self._state_bytes.setdefault(id(group), [group, {"device": 0, "cpu": 0}])[1]
+            for tier in ("device", "cpu"):
+                self._store.add_optimizer_bytes(tier, held[tier] - counted[tier], ledger=group.ledger)
+                counted[tier] = held[tier]
 
 
 class AdamW(ZinfOptimizer):

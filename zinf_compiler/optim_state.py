@@ -80,8 +80,10 @@ def count_state_bytes(inner: torch.optim.Optimizer | None, memory_slots: list[Sl
     return per_tier
 
 
-def unaccount_state(store: ParamStore, state_bytes: dict[str, int], ledger) -> None:
-    """A dropped optimizer's moments stop counting in its model's ledger (a ``weakref.finalize`` callback)."""
-    for tier, nbytes in state_bytes.items():
-        store.add_optimizer_bytes(tier, -nbytes, ledger=ledger.root())
-        state_bytes[tier] = 0
+def unaccount_state(store: ParamStore, state_bytes: dict[int, list]) -> None:
+    """A dropped optimizer's moments stop counting in their models' ledgers (a ``weakref.finalize`` callback;
+    ``state_bytes``: id(group) -> [group, {tier: bytes}], see ``ZinfOptimizer._account_state``)."""
+    for group, per_tier in state_bytes.values():
+        for tier, nbytes in per_tier.items():
+            store.add_optimizer_bytes(tier, -nbytes, ledger=group.ledger)
+            per_tier[tier] = 0

@@ -7,7 +7,7 @@ never saw it.  Here every configuration trains under Inductor on 12 batch sizes 
 lengths, against eager, and two things are checked besides the losses:
 
 * compiles: at most 2 per Dynamo graph (one here: ``dynamic=True`` traces symbolic from the start);
-* guards: no guard on a symbolic size was installed by a zinf source file (:class:`ShapeGuards`: the
+* guards: no guard on a symbolic size was installed by a zinf source file (:class:`CompileRecorder` in tests/support: the
   ShapeEnv of each compile records the frame behind every guard, a specialization to a constant too).
 
 The default run takes three configurations; the full suite (``run_tests.sh --full``) runs the whole
@@ -18,7 +18,6 @@ tiled model.
 from __future__ import annotations
 
 import copy
-import os
 import pathlib
 import tempfile
 
@@ -28,57 +27,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zinf_compiler as zinf
-import zinf_compiler.passes as zinf_passes
-import zinf_compiler.runtime as zinf_runtime
 from zinf_compiler.gpt import GPT, GPTConfig
+
+from compiles import CompileRecorder
 
 BATCH_SIZES = list(range(2, 14))  # 12 sizes at length 8
 LENGTHS = list(range(3, 15))  # 12 lengths at batch 3
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 # Tiling: the MLP weights (64 x 16 fp32, 4 KiB) exceed this, so they split into 2 row tiles.
 TILED = {"tile_threshold": 2048, "tile_factor": 2}
-
-# zinf's own source folders (the package, its passes and its runtime), wherever they were imported from.
-ZINF_FOLDERS = tuple(str(pathlib.Path(module.__file__).resolve().parent) + os.sep
-                     for module in (zinf, zinf_passes, zinf_runtime))
-
-
-class ShapeGuards:
-    """Counts zinf's compiles and keeps each one's ShapeEnv, whose ``guards`` (every guard on a symbolic
-    size, a specialization to a constant too) record the frame that installed them."""
-
-    def __init__(self, monkeypatch):
-        from zinf_compiler import backend
-
-        self.compiles = 0
-        self._envs = []
-        real = backend.compile_captured
-
-        def recording(*args, **kwargs):
-            self.compiles += 1
-            tracing = torch._guards.TracingContext.try_get()
-            if tracing is not None and tracing.fake_mode.shape_env is not None:
-                self._envs.append(tracing.fake_mode.shape_env)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(backend, "compile_captured", recording)
-
-    def by_zinf(self) -> list[str]:
-        """The guards a zinf source file installed, as ``expr  (file:line in function)``."""
-        return self.installed_in(ZINF_FOLDERS)
-
-    def installed_in(self, prefixes: tuple[str, ...]) -> list[str]:
-        """The guards installed by code in files whose path starts with one of ``prefixes``."""
-        found = []
-        for env in self._envs:
-            for guard in env.guards:
-                frame = guard.sloc.framework_loc
-                filename = getattr(frame, "filename", None) or (frame if isinstance(frame, str) else "")
-                if filename and str(pathlib.Path(filename).resolve()).startswith(prefixes):
-                    found.append(f"{guard.expr}  ({filename}:{getattr(frame, 'lineno', '?')} "
-                                 f"in {getattr(frame, 'name', '?')})")
-        return found
-
 
 def _configs() -> dict[str, dict]:
     configs = {}
@@ -115,7 +72,7 @@ def test_varying_batch_and_length_under_inductor(name, tmp_path, monkeypatch):
     options = dict(CONFIGS[name])
     if "nvme" in options.values():
         options["nvme_path"] = str(tmp_path)
-    guards = ShapeGuards(monkeypatch)
+    guards = CompileRecorder(monkeypatch)
     torch.manual_seed(0)
     eager = GPT(CFG)
     model = copy.deepcopy(eager)
@@ -132,7 +89,7 @@ def test_varying_batch_and_length_under_inductor(name, tmp_path, monkeypatch):
             opt.zero_grad()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-4), f"shape {tuple(idx.shape)}"
-    assert not guards.by_zinf(), "zinf specialized a symbolic size:\n" + "\n".join(guards.by_zinf())
+    assert not guards.guards_by_zinf(), "zinf specialized a symbolic size:\n" + "\n".join(guards.guards_by_zinf())
     assert guards.compiles <= 2, f"{guards.compiles} compiles of one graph"
     state = zinf.full_state_dict(compiled)
     for param_name, expected in eager.named_parameters():
@@ -151,7 +108,7 @@ def test_drawn_models_are_never_specialized_by_zinf(layers, heads, width, name, 
     # Inductor recompiles too when they part.)
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=layers, n_head=heads, n_embd=width)
     with pytest.MonkeyPatch.context() as monkeypatch, tempfile.TemporaryDirectory() as swap:
-        guards = ShapeGuards(monkeypatch)
+        guards = CompileRecorder(monkeypatch)
         torch._dynamo.reset()
         options = dict(CONFIGS[name], nvme_path=swap)
         compiled = torch.compile(GPT(cfg), backend="zinf", dynamic=True, options=options)
@@ -160,7 +117,7 @@ def test_drawn_models_are_never_specialized_by_zinf(layers, heads, width, name, 
             idx = torch.randint(0, cfg.vocab_size, (batch, length), generator=generator)
             compiled(idx, idx).backward()
         torch._dynamo.reset()
-    assert not guards.by_zinf(), "zinf specialized a symbolic size:\n" + "\n".join(guards.by_zinf())
+    assert not guards.guards_by_zinf(), "zinf specialized a symbolic size:\n" + "\n".join(guards.guards_by_zinf())
     assert guards.compiles <= 2, f"{guards.compiles} compiles of one graph"
 
 
@@ -181,10 +138,10 @@ def test_shape_guards_find_a_planted_specialization(monkeypatch):
         return real(gm, ctx)
 
     monkeypatch.setattr(activations, "run", specializing)
-    guards = ShapeGuards(monkeypatch)
+    guards = CompileRecorder(monkeypatch)
     model = GPT(CFG)
     compiled = torch.compile(model, backend="zinf", dynamic=True, options={"stage": 3})
     for idx in _batches()[:3]:
         compiled(idx, idx).backward()
-    assert guards.installed_in((str(pathlib.Path(__file__).resolve()),))  # the plant, found by its file
+    assert guards.guards_installed_in((str(pathlib.Path(__file__).resolve()),))  # the plant, found by its file
     assert guards.compiles >= 3  # and every new batch size recompiled

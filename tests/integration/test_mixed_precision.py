@@ -55,7 +55,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tier, tmp_path):
                 "overlap_optimizer": True} if tier == "nvme" else {})
     model, compiled, opt, _ = _train("fp16", steps=1, **offload)
     before = zinf.full_state_dict(compiled)
-    scaler = RUNTIME.store.lookup(next(model.parameters())).ledger.fp16_scaler
+    scaler = RUNTIME.store.lookup(next(model.parameters())).group.fp16_scaler
     scaler.scale = 1e30  # any gradient times this is inf in fp16
     idx, targets = synthetic_batches(CFG, 8, 1, seed=1)[0]
     compiled(idx, targets).backward()
@@ -84,11 +84,11 @@ def test_each_model_has_its_own_fp16_loss_scale(tmp_path):
     other_model = GPT(CFG)
     other = torch.compile(other_model, backend="zinf", options={"lower": "eager", "stage": 3, "param_dtype": "fp16"})
     other_opt = zinf.optim.AdamW(other_model.parameters(), lr=3e-3)
-    first_scaler = RUNTIME.store.lookup(next(first[0].parameters())).ledger.fp16_scaler
+    first_scaler = RUNTIME.store.lookup(next(first[0].parameters())).group.fp16_scaler
     idx, targets = synthetic_batches(CFG, 8, 1, seed=2)[0]
     other(idx, targets).backward()  # adopts other's parameters
     other_opt.zero_grad()
-    other_scaler = RUNTIME.store.lookup(next(other_model.parameters())).ledger.fp16_scaler
+    other_scaler = RUNTIME.store.lookup(next(other_model.parameters())).group.fp16_scaler
     assert other_scaler is not first_scaler
     first_scaler.scale = 1e30  # the first model overflows at its next step
     before = zinf.full_state_dict(other)
@@ -107,3 +107,53 @@ def test_each_model_has_its_own_fp16_loss_scale(tmp_path):
     zinf.load(str(tmp_path / "first"), first[1], first[2])
     zinf.load(str(tmp_path / "other"), other, other_opt)
     assert (first_scaler.scale, other_scaler.scale) == (5e29, 2.0**16)
+
+
+class _TwoParts(torch.nn.Module):
+    """Two blocks with a graph break between them: Dynamo compiles each part on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(16, 16)
+        self.second = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        hidden = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(hidden)
+
+
+def test_a_model_compiled_in_parts_before_its_optimizer_keeps_one_decision_over_its_groups():
+    # Each part's compile claims its own parameters (no optimizer claimed them before): two model groups,
+    # never merged.  The one optimizer over both skips both or neither, keeps their scales in step,
+    # counts its moments in each part's ledger, and memory_report adds the parts up.
+    torch.manual_seed(0)
+    model = _TwoParts()
+    compiled = torch.compile(model, backend="zinf", options={"stage": 3, "param_dtype": "fp16"})
+    x = torch.randn(8, 16)
+    compiled(x).square().mean().backward()  # adopts both parts, before any optimizer exists
+    groups = RUNTIME.store.groups_of(model.parameters())
+    assert len(groups) == 2 and groups[0].ledger is not groups[1].ledger
+    opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
+    assert RUNTIME.store.groups_of(model.parameters()) == groups  # the optimizer merged nothing
+    opt.zero_grad()
+    before = zinf.full_state_dict(compiled)
+    groups[1].fp16_scaler.scale = 1e30  # only the second part overflows
+    compiled(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(before[name], value) for name, value in zinf.full_state_dict(compiled).items())
+    assert [group.fp16_scaler.skipped_steps for group in groups] == [1, 1]
+    groups[1].fp16_scaler.scale = groups[0].fp16_scaler.scale  # (in step again, at a scale that fits)
+    compiled(x).square().mean().backward()
+    opt.step()
+    after = zinf.full_state_dict(compiled)
+    assert not torch.equal(before["first.weight"], after["first.weight"])
+    assert not torch.equal(before["second.weight"], after["second.weight"])
+    # Each part's moments count in its own ledger (two fp32 moments per element), and the report adds them.
+    for group, part in zip(groups, (model.first, model.second)):
+        numel = sum(p.numel() for p in part.parameters())
+        assert group.ledger.resting["cpu"] + group.ledger.resting["device"] >= 2 * 4 * numel
+    report = zinf.memory_report(compiled)
+    assert report["peak"]["cpu"] + report["peak"]["device"] == sum(
+        group.ledger.peak["cpu"] + group.ledger.peak["device"] for group in groups)

@@ -16,6 +16,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.runtime.resting import ZinfRestingParameterError
 from zinf_compiler.api import RUNTIME
+from compiles import CompileRecorder
 from usage import Pair, seeded, train_interleaved
 
 STAGE3 = {"stage": 3}  # the default lowering (Inductor), as users get it
@@ -292,22 +293,6 @@ def test_inference_mode_and_no_grad_equal_eager(stage, offload, tmp_path):
     pair.assert_equal(train_interleaved([pair], batches(), steps=2)[0], f"after inference, {options}")
 
 
-class CountingBackend:
-    """Counts zinf compiles (one per Dynamo graph) around the real backend."""
-
-    def __init__(self, monkeypatch):
-        from zinf_compiler import backend
-
-        self.count = 0
-        real = backend.compile_captured
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(backend, "compile_captured", counted)
-
-
 @pytest.mark.parametrize("dynamic", [True, pytest.param(None, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
@@ -315,7 +300,7 @@ def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
     # length recompiled and the 9th failed (stage 3) or silently fell back to eager (stage 2).
     from zinf_compiler.gpt import GPT, GPTConfig
 
-    compiles = CountingBackend(monkeypatch)
+    compiles = CompileRecorder(monkeypatch)
     cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
     eager = GPT(cfg)
@@ -338,10 +323,10 @@ def test_varying_sequence_lengths_compile_once(dynamic, stage, monkeypatch):
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-5), f"length {length}"
         if step == 1:
-            after_first_two = compiles.count
+            after_first_two = compiles.compiles
     # Static first, then one dynamic graph (dynamic=None), or dynamic from the start: no more after.
-    assert compiles.count == after_first_two
-    assert compiles.count <= 4
+    assert compiles.compiles == after_first_two
+    assert compiles.compiles <= 4
 
 
 class Scaled(torch.nn.Module):

@@ -5,7 +5,7 @@ from multirank import run_ranks
 
 def test_two_models_keep_their_own_state_through_training_reports_and_checkpoints(tmp_path):
     for result in run_ranks(2, "two_models_worker", {"root": str(tmp_path)}, timeout=300):
-        assert result["separate_ledgers"] and result["meshes_differ"]
+        assert result["separate_ledgers"] and result["meshes_differ"] and result["group_meshes"]
         assert result["timeouts"] == [45, 90] and result["loaded_timeouts"] == [45, 90]
         assert result["limits"] == [64 << 20, 32 << 20]
         scaler_a, scaler_b = result["scalers"]

@@ -4,7 +4,7 @@ Two models in one process, each with its own mesh (A: the default group; B: a
 process group of its own), collective timeout, fp16 scaler (A computes its
 reduction in fp16 and overflows once on purpose; B stays fp32) and device
 budget.  The rank trains A, reports it, trains B, and records what each
-model's ledger holds, what ``memory_report`` says of each before and after
+model's group holds, what ``memory_report`` says of each before and after
 the other trains or reports, and what a report over a container of both does.
 Then it checkpoints both, loads each into a fresh instance, and records the
 loaded scalers and one more step's losses.
@@ -42,11 +42,11 @@ def step(compiled, opt, batch, loss_scale: float = 1.0) -> float:
     return loss.item()
 
 
-def ledger_of(model):
-    """The model's one ledger (also before its first call adopts its parameters, as after a load)."""
-    ledgers = RUNTIME.store.ledgers_of(model.parameters())
-    assert len(ledgers) == 1, f"{len(ledgers)} ledgers for one model"
-    return ledgers[0]
+def group_of(model):
+    """The model's one group (also before its first call adopts its parameters, as after a load)."""
+    groups = RUNTIME.store.groups_of(model.parameters())
+    assert len(groups) == 1, f"{len(groups)} groups for one model"
+    return groups[0]
 
 
 def own(report: dict) -> dict:
@@ -78,11 +78,12 @@ def main() -> None:
     result["both_params_device"] = both["device"]["params"]
     result["sum_params_device"] = report_a["device"]["params"] + report_b["device"]["params"]
 
-    ledger_a, ledger_b = ledger_of(model_a), ledger_of(model_b)
-    result["separate_ledgers"] = ledger_a is not ledger_b
-    result["timeouts"] = [ledger_a.collective_timeout, ledger_b.collective_timeout]
-    result["limits"] = [ledger_a.device_memory_limit, ledger_b.device_memory_limit]
-    result["scalers"] = [ledger_a.fp16_scaler.state(), ledger_b.fp16_scaler.state()]
+    model_group_a, model_group_b = group_of(model_a), group_of(model_b)
+    result["separate_ledgers"] = model_group_a is not model_group_b and model_group_a.ledger is not model_group_b.ledger
+    result["group_meshes"] = model_group_a.mesh is not None and model_group_a.mesh is not model_group_b.mesh
+    result["timeouts"] = [model_group_a.collective_timeout, model_group_b.collective_timeout]
+    result["limits"] = [model_group_a.device_memory_limit, model_group_b.device_memory_limit]
+    result["scalers"] = [model_group_a.fp16_scaler.state(), model_group_b.fp16_scaler.state()]
     result["meshes_differ"] = (RUNTIME.store.lookup(next(model_a.parameters())).mesh
                                is not RUNTIME.store.lookup(next(model_b.parameters())).mesh)
 
@@ -93,11 +94,11 @@ def main() -> None:
     model_b2, b2, opt_b2 = build(3, 24, dict(OPTIONS_B, mesh=group_b))
     zinf.load(folders[0], a2, opt_a2)
     zinf.load(folders[1], b2, opt_b2)
-    result["loaded_scalers"] = [ledger_of(model_a2).fp16_scaler.state(), ledger_of(model_b2).fp16_scaler.state()]
+    result["loaded_scalers"] = [group_of(model_a2).fp16_scaler.state(), group_of(model_b2).fp16_scaler.state()]
     result["next_losses"] = [[step(a, opt_a, batch), step(a2, opt_a2, batch)],
                              [step(b, opt_b, batch), step(b2, opt_b2, batch)]]
-    # (Options reach a model's ledger when its first call compiles it.)
-    result["loaded_timeouts"] = [ledger_of(model_a2).collective_timeout, ledger_of(model_b2).collective_timeout]
+    # (Options reach a model's group when its first call compiles it.)
+    result["loaded_timeouts"] = [group_of(model_a2).collective_timeout, group_of(model_b2).collective_timeout]
     with open(os.environ["ZINFTEST_OUT"], "w") as out:
         json.dump(result, out)
     finish_rank()

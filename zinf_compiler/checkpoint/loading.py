@@ -81,8 +81,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             optimizer.bind()  # the binding is final: apply the state now
     else:
         checkpoint.close()
-    # Into this model's ledger (made now if it has none yet: its parameters join it when adopted).
-    store.group([param for _, param in named_params(model)]).fp16_scaler.load_state(meta["fp16_scaler"])
+    # Into this model's groups (one made now for the parameters in none yet: they join it when adopted).
+    model_params = [param for _, param in named_params(model)]
+    store.claim(model_params)
+    for group in store.groups_of(model_params):
+        group.fp16_scaler.load_state(meta["fp16_scaler"])
     if meta["world_size"] == comm.world_size and mesh is None and "mesh" not in meta:
         set_rng_state(checkpoint.manifests[comm.rank]["rng"])
     else:

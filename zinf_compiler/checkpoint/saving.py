@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..api import store_of
+from ..runtime.model_group import combined_scaler_state
 from ..optim import Slot, StreamedState, ZinfOptimizer
 from ..runtime.checkpoint_files import (DTYPE_NAMES, ChecksummedWriter, ZinfCheckpointError, create_new, fsync_dir,
                                         replace_into_place, write_file_atomic, write_json_atomic)
@@ -254,7 +255,9 @@ def _meta(store: ParamStore, model, optimizer, world_size: int, manifests: dict[
                for name, b in named_buffers(model, {id(p) for _, p in named})}
     meta = {"format": FORMAT, "world_size": world_size, "params": params, "buffers": buffers,
             "manifests": manifests, "saved_at": time.time(),
-            "fp16_scaler": store.group([param for _, param in named]).fp16_scaler.state(),  # this model's
+            # This model's loss scale (its groups', kept in step by its optimizer); read only, nothing is claimed.
+            "fp16_scaler": combined_scaler_state(group.fp16_scaler
+                                                 for group in store.groups_of(param for _, param in named)),
             "optimizer": None}
     if optimizer is not None:
         names = {id(p): name for name, p in named}

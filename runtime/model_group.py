@@ -1,0 +1,148 @@
+"""One model as the runtime sees it: the parameters adopted together, and what belongs to the model
+rather than to any one parameter.
+
+A :class:`ModelGroup` is made the first time some of a model's parameters are
+*claimed* (``ParamStore.claim``): by the compile that adopts them, by an
+optimizer or a checkpoint load that comes first, or by ``zinf.materialize``.
+Every parameter belongs to one group for its whole life; a claim over
+parameters with no group puts them in the group the others of the claim
+already share (the first, in the parameters' order), else in a new one.
+Groups never merge: where one optimizer spans several (a graph break compiled
+before the optimizer existed gives each subgraph its own), the optimizer makes
+one decision for all of them (:func:`agree_on_skip`), and ``memory_report``
+adds their ledgers up.
+
+A group owns: the records of its parameters (each with its frozen
+:class:`~.param_plan.ParamPlan`), its :class:`~.ledger.Ledger` (bytes per tier,
+device budget), its mesh (the ranks it shards over, fixed at its first
+adoption), its collective timeout and its fp16 loss scale
+(:class:`Fp16GradScaler`), so that one model's overflow never skips another's
+step and one model's options never change another's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from .ledger import Ledger, ZinfStoreError
+
+if TYPE_CHECKING:
+    from .comm import Comm, MeshComm  # (records.py imports this module: its ParamRecord is named, not imported)
+
+_group_numbers = itertools.count()
+
+
+class Fp16GradScaler:
+    """Dynamic scaling of gradients on their way through fp16 (``param_dtype="fp16"``).
+
+    The graph computes in the model's own dtype; gradients become fp16 only
+    to be reduced.  They are multiplied by ``scale`` before that cast and
+    divided after it, so that small values survive.  An inf or nan seen on
+    any rank skips the optimizer step and halves the scale; ``growth_interval``
+    good steps in a row double it (the policy of ``torch.amp.GradScaler``).
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.found_inf = False
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (see :meth:`load_state`)."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state(self, state: dict) -> None:
+        """Restore the scale and its counters from :meth:`state`'s dict."""
+        self.scale = state["scale"]
+        self.good_steps = state["good_steps"]
+        self.skipped_steps = state["skipped_steps"]
+
+    def check(self, reduced_grad: torch.Tensor) -> None:
+        """Note an overflow if ``reduced_grad`` has an inf or NaN (the step will be skipped)."""
+        if not self.found_inf and not bool(torch.isfinite(reduced_grad).all()):
+            self.found_inf = True
+
+    def record_step(self, skipped: bool) -> None:
+        """After the ranks agreed (:func:`agree_on_skip`): halve on a skip, double after enough good steps."""
+        self.found_inf = False
+        if skipped:
+            self.scale /= 2.0
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+
+
+def agree_on_skip(scalers: list[Fp16GradScaler], comm: "Comm", device: torch.device,
+                  timeout: float | None = None) -> bool:
+    """Whether an optimizer step over ``scalers``' models is skipped: any overflow seen by any of them on
+    any rank (one all-reduce over ``comm``) skips it for all, and each scaler records the outcome, so
+    models stepped by one optimizer keep their scales in step.  ``device``: where the flag is reduced
+    (NCCL reduces device tensors only)."""
+    found = any(scaler.found_inf for scaler in scalers)
+    flag = torch.tensor(1.0 if found else 0.0, device=device)
+    comm.all_reduce_sum(flag, "all_reduce of the fp16 overflow flag (optimizer step)", timeout)
+    skipped = flag.item() > 0
+    for scaler in scalers:
+        scaler.record_step(skipped)
+    return skipped
+
+
+def combined_scaler_state(scalers: Iterable[Fp16GradScaler]) -> dict:
+    """One checkpoint entry for the scalers of one model's groups (kept in step by :func:`agree_on_skip`;
+    where they differ, the most cautious figures)."""
+    states = [scaler.state() for scaler in scalers] or [Fp16GradScaler().state()]
+    return {"scale": min(s["scale"] for s in states), "good_steps": min(s["good_steps"] for s in states),
+            "skipped_steps": max(s["skipped_steps"] for s in states)}
+
+
+class ModelGroup:
+    """One model's parameters and what belongs to the model (see the module docstring)."""
+
+    def __init__(self):
+        self.number = next(_group_numbers)  # for messages and dumps: groups in the order they were made
+        self.ledger = Ledger()
+        self.fp16_scaler = Fp16GradScaler()
+        # Seconds this model's collectives wait for the other ranks (option collective_timeout; None: the
+        # process's default, runtime/comm.py).
+        self.collective_timeout: float | None = None
+        self.mesh: "MeshComm | None" = None  # fixed by the first adoption (see join)
+        self.records: dict[int, "ParamRecord"] = {}  # uid -> record, in adoption order
+
+    @property
+    def device_memory_limit(self) -> int | None:
+        """The model's budget of gathered and in-flight device bytes (None: unlimited); its ledger enforces it."""
+        return self.ledger.device_memory_limit
+
+    def configure(self, *, device_memory_limit: int | None, collective_timeout: float | None) -> None:
+        """Take a compile's options (the latest compile of the model sets them)."""
+        self.ledger.device_memory_limit = device_memory_limit
+        self.collective_timeout = collective_timeout
+
+    def check_mesh(self, mesh: "MeshComm", name: str) -> None:
+        """Refuse to adopt ``name`` over another mesh than the model's (one model, one set of ranks)."""
+        if self.mesh is not None and mesh is not self.mesh:
+            raise ZinfStoreError(
+                f"parameter {name} is asked to shard over {mesh.describe()}, but its model (zinf model group "
+                f"{self.number}) already shards over {self.mesh.describe()}: compile every part of one model with "
+                f"the same mesh option (or give the parts separate optimizers, as separate models)")
+
+    def join(self, record: "ParamRecord") -> None:
+        """Count ``record`` as the model's (at adoption); its mesh becomes the model's if it has none yet."""
+        self.check_mesh(record.mesh, record.name)
+        self.mesh = record.mesh
+        self.records[record.uid] = record
+
+    def leave(self, record: "ParamRecord") -> None:
+        """``record``'s parameter was collected (its bytes were already given back)."""
+        self.records.pop(record.uid, None)
+
+    def __repr__(self) -> str:
+        return f"ModelGroup({self.number}, {len(self.records)} parameters)"
