@@ -10,8 +10,7 @@ DeepSpeed key                                                          zinf opti
 ``zero_optimization.offload_param.device`` none / cpu / nvme          ``offload_param``
 ``zero_optimization.offload_optimizer.device`` none / cpu / nvme      ``offload_optimizer``
 ``zero_optimization.cpu_offload`` / ``cpu_offload_params`` (old)      ``offload_optimizer`` / ``offload_param`` cpu
-``offload_param.nvme_path``, ``offload_optimizer.nvme_path``          ``nvme_path`` (one folder; DeepSpeed's
-                                                                       default ``/local_nvme`` where unset)
+``offload_param.nvme_path``, ``offload_optimizer.nvme_path``          ``nvme_path`` (one folder for both)
 ``bf16.enabled`` / ``fp16.enabled`` (neither: fp32)                    ``param_dtype`` bf16 / fp16
 ``zero_optimization.reduce_bucket_size``, ``allgather_bucket_size``,   ``bucket_bytes``: the smallest, in
 ``stage3_prefetch_bucket_size`` (elements)                             elements x ``param_dtype``'s bytes
@@ -29,8 +28,8 @@ scaling; fp32 masters) passes silently.  Every other key is named, each with why
 ``bf16`` / ``fp16`` section that is not enabled are inert in DeepSpeed too and are not named.
 ``"auto"`` (what the Hugging Face Trainer writes for it to fill in) takes zinf's default, noted in the
 same warning.  A value zinf cannot honour raises :class:`ValueError` naming the key: an unknown offload
-device, parameter offload below stage 3, two different ``nvme_path`` folders, both ``bf16`` and ``fp16``
-enabled, a count that is not a whole number.  The result is checked by :func:`parse_options`.
+device, parameter offload below stage 3, an nvme device without ``nvme_path`` or two different folders,
+both ``bf16`` and ``fp16`` enabled, a count that is not a whole number.  The result is checked by :func:`parse_options`.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ from typing import Any, Mapping
 from .options import SPECS_BY_NAME, parse_options
 from .runtime.records import DTYPES
 
-# DeepSpeed's default nvme_path (its config docs), used where a device is nvme and no path is set.
-DEEPSPEED_NVME_PATH = "/local_nvme"
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
 
@@ -250,9 +247,10 @@ def _offload(reading: _Reading, zero: dict) -> None:
         if device != "none":
             reading.set(name, device, path + "device")
         if device == "nvme":
-            if nvme_path is None:
-                reading.notes.append(f"{path}nvme_path unset -> DeepSpeed's default {DEEPSPEED_NVME_PATH}")
-            paths[path + "nvme_path"] = nvme_path or DEEPSPEED_NVME_PATH
+            if not nvme_path:  # (DeepSpeed's code has no default folder either, whatever its docs say)
+                raise ValueError(f"DeepSpeed key {path + 'device'!r} is 'nvme' but {path + 'nvme_path'!r} is "
+                                 f"unset: name the folder for swap files")
+            paths[path + "nvme_path"] = str(nvme_path)
         elif nvme_path is not None:
             section["nvme_path"] = nvme_path  # named: DeepSpeed ignores it too off nvme
         reading.unmapped_rest(section, path)

@@ -8,7 +8,6 @@ import warnings
 import pytest
 
 import zinf_compiler as zinf
-from zinf_compiler.deepspeed_config import DEEPSPEED_NVME_PATH
 from zinf_compiler.options import SPECS_BY_NAME, parse_options
 
 
@@ -52,12 +51,6 @@ def test_offload_devices_and_one_nvme_path(param, optimizer, tmp_path):
     for name, device in (("offload_param", param), ("offload_optimizer", optimizer)):
         assert (f"zero_optimization.{name}.nvme_path" in warning) == (device != "nvme"), warning
     parse_options(options, environ={})
-
-
-def test_nvme_without_a_path_takes_deepspeeds_default():
-    options, warning = _map(_zero(stage=3, offload_optimizer={"device": "nvme"}))
-    assert options["nvme_path"] == DEEPSPEED_NVME_PATH == "/local_nvme"
-    assert "offload_optimizer.nvme_path unset" in warning
 
 
 def test_old_cpu_offload_flags():
@@ -140,6 +133,9 @@ def test_every_unmapped_key_is_named_in_one_warning():
     for key in named:
         assert f"{key}=" in warning, key
     assert "clip_grad_norm_" in warning  # says how to clip in zinf
+    with pytest.warns(zinf.DeepSpeedConfigWarning) as caught:
+        zinf.options_from_deepspeed(config)
+    assert caught[0].filename == __file__  # points at the caller's line
 
 
 def test_auto_takes_zinfs_default_with_a_note():
@@ -172,6 +168,8 @@ def test_a_json_file(tmp_path):
     (_zero(stage=True), "zero_optimization.stage"),
     (_zero(stage=3, offload_param={"device": "nvme", "nvme_path": "/a"},
            offload_optimizer={"device": "nvme", "nvme_path": "/b"}), "zero_optimization.offload_param.nvme_path"),
+    (_zero(stage=3, offload_optimizer={"device": "nvme"}), "zero_optimization.offload_optimizer.nvme_path"),
+    (_zero(stage=3, offload_param={"device": "nvme", "nvme_path": "auto"}), "zero_optimization.offload_param.nvme_path"),
     (_zero(stage=3, cpu_offload=True, offload_optimizer={"device": "nvme", "nvme_path": "/a"}),
      "zero_optimization.cpu_offload"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled and fp16.enabled"),
