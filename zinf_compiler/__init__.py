@@ -9,12 +9,15 @@ from . import optim
 from .api import full_state_dict, gathered, memory_report, reset_peak_memory
 from .backend import materialize, register, zinf_backend
 from .checkpoint import ZinfCheckpointError, export, latest, load, save
+from .deepspeed_config import DeepSpeedConfigWarning, options_from_deepspeed
 from .options import ZinfOptionError, ZinfOptions, describe_options, parse_options
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ZinfCheckpointError",
+    "DeepSpeedConfigWarning",
+    "options_from_deepspeed",
     "export",
     "latest",
     "load",
