@@ -43,11 +43,12 @@ from .aio import AioEngine
 from .swap_folders import FolderWatch
 from .swap_layout import ALIGNMENT
 from .copy_engine import CopyEngine
-from .pinned import PinnedPool
+from .pinned import PinnedMemory, PinnedPool
 from .ledger import Ledger
 from .saved_on_device import count_saved
 
-# The NVMe tier stages through one pinned pool, sized 4x the largest value
+# The NVMe tier stages through one pinned pool (the "activations" quota of the
+# process's pinned memory), sized 4x the largest value
 # offloaded so far within these bounds.  A value moves in pieces of at most a
 # quarter of the pool, each its own swap key: so a 7 GiB logits tensor needs
 # 64 MiB of staging, not 28 GiB, and its writes overlap its own copies.
@@ -140,15 +141,19 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
 class ActivationStore:
     """The process's offloaded activations (one per process: the ``Runtime``'s ``activations``, runtime/process.py).
 
-    ``process``: the process-wide ledger its pinned pool and held bytes are
-    counted in; ``copier``: the copy engine its device <-> host copies run on
-    (its tracer draws the swap engines' transfers too); ``folder_watch``: what
-    removes the swap engines' folders on SIGTERM (None: each engine its own).
+    ``process``: the process-wide ledger its held bytes are counted in;
+    ``copier``: the copy engine its device <-> host copies run on (its tracer
+    draws the swap engines' transfers too); ``pinned_memory``: the allocator
+    its NVMe staging pool is a quota of (which counts the pool's bytes);
+    ``folder_watch``: what removes the swap engines' folders on SIGTERM (None:
+    each engine its own).
     """
 
-    def __init__(self, process: Ledger, copier: CopyEngine, folder_watch: FolderWatch | None = None) -> None:
+    def __init__(self, process: Ledger, copier: CopyEngine, pinned_memory: PinnedMemory,
+                 folder_watch: FolderWatch | None = None) -> None:
         self.process = process
         self.copier = copier
+        self._pinned_memory = pinned_memory
         self._folder_watch = folder_watch
         self._entries: dict[int, _Entry] = {}
         self._by_address: dict[int, int] = {}  # a live handle's storage address -> its entry id
@@ -193,7 +198,6 @@ class ActivationStore:
             if self._pool is not None and self._pool.buffers_in_use:
                 raise ZinfActivationError("the activation staging pool is in use (a fetch or copy in flight)")
             if self._pool is not None:
-                self.process.add_resting("cpu", -self._pool.capacity_bytes)
                 self._pool.close()
                 self._pool = None
             self.min_pool_bytes, self.max_pool_bytes = min_bytes, max_bytes
@@ -204,10 +208,8 @@ class ActivationStore:
         if self._pool is not None and (self._pool.capacity_bytes >= wanted or self._pool.buffers_in_use):
             return  # big enough, or busy: pieces fit any pool
         if self._pool is not None:
-            self.process.add_resting("cpu", -self._pool.capacity_bytes)
             self._pool.close()
-        self._pool = PinnedPool(wanted)
-        self.process.add_resting("cpu", self._pool.capacity_bytes)
+        self._pool = self._pinned_memory.quota("activations", wanted)
 
     def _piece_bytes(self) -> int:
         return max(ALIGNMENT, self._pool.capacity_bytes // 4 // ALIGNMENT * ALIGNMENT)
@@ -228,7 +230,8 @@ class ActivationStore:
                 return buffer
             if not self._writes:
                 # Fetches prefetched ahead hold the pool, and only this thread's later
-                # waits free them: waiting would deadlock.  A one-off piece-sized buffer instead.
+                # waits free them: waiting would deadlock.  A one-off piece-sized buffer instead
+                # (pageable memory of its own, outside the activations quota, freed with the buffer).
                 return PinnedPool(nbytes, pin=False).acquire(nbytes)
             self._finish_write(self._writes[0])
 

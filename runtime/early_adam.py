@@ -31,8 +31,9 @@ No thread: the pipeline moves on at the store's transfer points during
 backward (:meth:`EarlyAdam.advance`), which never waits.  It starts reads
 while its own pinned pool has room and computes a group once its reads are
 done.  ``opt.step()`` finishes what is left (:meth:`EarlyAdam.finish`).  Its
-pool is its own, so the graph's fetches and this pipeline never wait on each
-other's buffers.
+pool is its own quota of the process's pinned memory (``"early_optimizer"``,
+drawn from the store's allocator), so the graph's fetches and this pipeline
+never wait on each other's buffers.
 
 Scope: parameters whose shard rests on NVMe (``offload_param="nvme"``, stage
 3), with ``nvme_copies=2``.  The updated parameter is held too: it is the
@@ -179,10 +180,8 @@ class EarlyAdam:
             shard = max([r.shard_bytes + ALIGNMENT for r in records if not r.params_in_master] + [0])
             # Groups reading ahead and one writing, three state buffers each; the shards of
             # two parameters in compute dtype (one being written while the next is staged).
-            self.pool = PinnedPool((READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard)
-            store = self.nvme_adam.store
-            store.count_pinned_pool(self.pool.capacity_bytes)
-            weakref.finalize(self.pool, store.count_pinned_pool, -self.pool.capacity_bytes)
+            self.pool = self.nvme_adam.store.pinned_memory.quota(
+                "early_optimizer", (READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard)
         return self.pool
 
     def advance(self) -> None:

@@ -1,8 +1,15 @@
-"""One bounded, reused pool of aligned (page-locked where possible) host buffers.
+"""The process's pinned host memory: one allocator, and a bounded pool of aligned buffers per consumer.
 
 Every host-side staging buffer of the runtime (NVMe reads and writes, copies
-to and from the device) is a block of this pool; nothing allocates host
-memory per tensor.
+to and from the device) is a block of a :class:`PinnedPool`; nothing
+allocates host memory per tensor.  The pools are drawn from one
+:class:`PinnedMemory` (the process's, built by runtime/process.py), as named
+quotas: each consumer (the parameters' transfers, the activations' NVMe
+staging, the early optimizer step) sizes its own, and the allocator counts
+every quota's bytes once and keeps per-consumer figures (quota, in use,
+peak, page-locked) for ``zinf.memory_report``.  A quota is a pool of its
+own: a consumer that fills it waits (or raises) as it always did, and never
+takes another consumer's buffers.
 
 Memory.  The pool is one anonymous ``mmap`` region made once, at creation,
 with every page touched then (on these VMs freshly touched memory costs
@@ -38,6 +45,7 @@ import os
 import threading
 import time
 import weakref
+from typing import Callable
 
 import torch
 
@@ -125,10 +133,13 @@ class PinnedPool:
 
     Stats: ``capacity_bytes``, ``in_use_bytes``, ``peak_in_use_bytes``
     (since creation or ``reset_peak()``), ``waits`` (acquires that had to
-    wait for a release), ``buffers_in_use``.
+    wait for a release), ``buffers_in_use``.  ``consumer``: the figures of
+    the :class:`PinnedMemory` consumer this pool is a quota of (None: a
+    pool on its own, counted nowhere).
     """
 
-    def __init__(self, capacity_bytes: int, alignment: int = ALIGNMENT, pin: bool | None = None):
+    def __init__(self, capacity_bytes: int, alignment: int = ALIGNMENT, pin: bool | None = None,
+                 consumer: "_Consumer | None" = None):
         if capacity_bytes <= 0:
             raise ValueError(f"pinned pool capacity must be > 0 bytes, got {capacity_bytes} (option pinned_bytes)")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -164,7 +175,12 @@ class PinnedPool:
                                    f"({self.lock_error}); use pin=None to run on pageable memory")
         # Unlock when the pool goes away; the mapping itself lives as long as
         # any view of it (a tensor from tensor() keeps it mapped, so never dangles).
-        self._finalizer = weakref.finalize(self, _unlock, unlock, self.base_address, self.capacity_bytes)
+        # The consumer's figures drop the quota at the same moment.
+        self._consumer = consumer
+        if consumer is not None:
+            consumer.opened(self.capacity_bytes, self.locked)
+        self._finalizer = weakref.finalize(self, _free, unlock, self.base_address, self.capacity_bytes, consumer,
+                                           self.locked)
         self._finalizer.atexit = False  # the process exit unlocks everything; CUDA may be gone by then
 
         self._cond = threading.Condition()
@@ -207,6 +223,8 @@ class PinnedPool:
                     self._live[offset] = size
                     self.in_use_bytes += size
                     self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+                    if self._consumer is not None:
+                        self._consumer.used(size)
                     return PinnedBuffer(self, offset, size)
                 if not waited:
                     self.waits += 1
@@ -241,6 +259,8 @@ class PinnedPool:
             buffer.released = True
             size = self._live.pop(buffer.offset)
             self.in_use_bytes -= size
+            if self._consumer is not None:
+                self._consumer.used(-size)
             # Insert in offset order and merge with the neighbours.
             blocks = self._free_blocks
             index = 0
@@ -259,7 +279,8 @@ class PinnedPool:
             self.peak_in_use_bytes = self.in_use_bytes
 
     def close(self) -> None:
-        """Unlock the memory; later ``acquire`` calls raise.  Buffers still in use stay valid memory."""
+        """Unlock the memory (and give a quota back); later ``acquire`` calls raise.  Buffers still in use stay
+        valid memory."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -268,6 +289,77 @@ class PinnedPool:
     def __repr__(self) -> str:
         return (f"PinnedPool(capacity_bytes={self.capacity_bytes}, in_use_bytes={self.in_use_bytes}, "
                 f"pinned={self.pinned}, locked={self.locked})")
+
+
+class _Consumer:
+    """One consumer's figures over its quotas (it may hold several at once: two optimizers' early steps)."""
+
+    def __init__(self, count_bytes: Callable[[int], None]):
+        self._count_bytes = count_bytes
+        # Taken inside a pool's lock, never the other way round; reentrant, as a dropped pool's finalizer
+        # (freed) may run from a garbage collection that starts inside one of these methods.
+        self._lock = threading.RLock()
+        self.quota_bytes = 0  # of its live quotas
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0  # since its first quota, across quotas made and closed
+        self.quotas = 0
+        self.locked_quotas = 0
+
+    def opened(self, capacity_bytes: int, locked: bool) -> None:
+        with self._lock:
+            self.quota_bytes += capacity_bytes
+            self.quotas += 1
+            self.locked_quotas += locked
+        self._count_bytes(capacity_bytes)
+
+    def freed(self, capacity_bytes: int, locked: bool) -> None:
+        with self._lock:
+            self.quota_bytes -= capacity_bytes
+            self.quotas -= 1
+            self.locked_quotas -= locked
+        self._count_bytes(-capacity_bytes)
+
+    def used(self, delta: int) -> None:
+        with self._lock:
+            self.in_use_bytes += delta
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+
+    def figures(self) -> dict:
+        with self._lock:
+            return {"quota": self.quota_bytes, "in_use": self.in_use_bytes, "peak": self.peak_in_use_bytes,
+                    "pinned": self.quotas > 0 and self.locked_quotas == self.quotas}
+
+
+class PinnedMemory:
+    """The process's pinned host memory: each consumer draws a named quota of it (:meth:`quota`).
+
+    ``count_bytes(delta)``: where every quota's bytes are counted, once, from
+    when it is made until it is closed or dropped (the process's cpu figure;
+    None: nowhere).  Each consumer keeps its sizing rule where it is decided
+    and asks for exactly that many bytes; the allocator only makes, counts and
+    reports.
+    """
+
+    def __init__(self, count_bytes: Callable[[int], None] | None = None):
+        self._count_bytes = count_bytes if count_bytes is not None else (lambda nbytes: None)
+        self._consumers: dict[str, _Consumer] = {}
+        self._lock = threading.Lock()
+
+    def quota(self, consumer: str, nbytes: int, pin: bool | None = None) -> PinnedPool:
+        """A pool of ``nbytes`` (rounded up to the alignment) for ``consumer``, page-locked as ``pin`` says
+        (see :class:`PinnedPool`); ``close()`` it, or drop it, to give the bytes back."""
+        with self._lock:
+            figures = self._consumers.get(consumer)
+            if figures is None:
+                figures = self._consumers[consumer] = _Consumer(self._count_bytes)
+        return PinnedPool(nbytes, pin=pin, consumer=figures)
+
+    def figures(self) -> dict[str, dict]:
+        """Per consumer: ``quota`` (bytes of its live quotas), ``in_use``, ``peak`` (in use, since its first
+        quota) and ``pinned`` (every live quota page-locked: registered with CUDA or mlock-ed)."""
+        with self._lock:
+            consumers = dict(self._consumers)
+        return {name: consumer.figures() for name, consumer in consumers.items()}
 
 
 # --- page locking ----------------------------------------------------------------
@@ -311,9 +403,12 @@ def _munlock(address: int, nbytes: int) -> None:
     _libc().munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
-def _unlock(unlock, address: int, nbytes: int) -> None:
+def _free(unlock, address: int, nbytes: int, consumer: "_Consumer | None", locked: bool) -> None:
+    """A pool closed or dropped: unlock its memory and give its quota back."""
     if unlock is not None:
         try:
             unlock(address, nbytes)
         except Exception:  # best effort at teardown
             pass
+    if consumer is not None:
+        consumer.freed(nbytes, locked)

@@ -2,9 +2,10 @@
 
 What a process holds for zinf whatever models it compiles lives in one
 :class:`Runtime`: the step tracer, the copy engine, the collectives of the
-default process group (subgroups and meshes hang off it), the parameter store
-(with its pinned pool and swap engines) and the activation store, the swap
-folders a SIGTERM must remove, and the zinf optimizers alive.  This module
+default process group (subgroups and meshes hang off it), the pinned memory
+(each consumer's staging pool a quota of it), the parameter store (with its
+swap engines) and the activation store, the swap folders a SIGTERM must
+remove, and the zinf optimizers alive.  This module
 makes no instance: the process's one instance belongs to the entry layer
 (zinf_compiler/api.py, read by backend.py and optim.py), and no other module
 imports this one.  Each part is given the others it uses when built here
@@ -28,6 +29,7 @@ import weakref
 from .activations import ActivationStore
 from .comm import Comm
 from .copy_engine import CopyEngine
+from .pinned import PinnedMemory
 from .store import ParamStore
 from .swap_folders import FolderWatch
 from .trace import Tracer
@@ -37,8 +39,8 @@ NVME_SAMPLE_SECONDS = 0.05
 
 
 class Runtime:
-    """One process's tracer, copier, default-group collectives, parameter and activation stores, swap folders
-    and live optimizers."""
+    """One process's tracer, copier, default-group collectives, pinned memory, parameter and activation stores,
+    swap folders and live optimizers."""
 
     def __init__(self) -> None:
         self.swap_folders = FolderWatch()  # before any swap engine: each registers its folder here
@@ -48,8 +50,11 @@ class Runtime:
         self.tracer = Tracer()
         self.copier = CopyEngine(self.tracer)
         self.comm = Comm(copier=self.copier, tracer=self.tracer)
-        self.store = ParamStore(self.comm, self.swap_folders)
-        self.activations = ActivationStore(self.store.process, self.copier, self.swap_folders)
+        # Every pinned staging pool is a quota of this one allocator (the store's, the activations', each
+        # early optimizer's, via the store); each quota's bytes count once, in the store's process figures.
+        self.pinned_memory = PinnedMemory(lambda nbytes: self.store.count_pinned_pool(nbytes))
+        self.store = ParamStore(self.comm, self.swap_folders, self.pinned_memory)
+        self.activations = ActivationStore(self.store.process, self.copier, self.pinned_memory, self.swap_folders)
         self._nvme_sampled = (0.0, 0)  # (when, bytes) of the last swap folder scan
 
     def trace_sample(self) -> dict[str, int]:

@@ -29,7 +29,7 @@ from .comm import Comm, MeshComm
 from .host_memory import available_bytes, ranks_on_node
 from .swap_folders import FolderWatch
 from .swap_layout import SUB_GROUP_NUMEL
-from .pinned import PinnedPool
+from .pinned import PinnedMemory, PinnedPool
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
 from .model_group import ModelGroup
@@ -80,7 +80,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     ledgers.  They share the state made here.
     """
 
-    def __init__(self, comm: Comm, folder_watch: FolderWatch | None = None):
+    def __init__(self, comm: Comm, folder_watch: FolderWatch | None = None, pinned_memory: PinnedMemory | None = None):
         self.comm = comm  # the process's default group: parameters adopted without a mesh shard over it
         self.copier = comm.copier  # cg copies (CPU or pinned -> device): the process's
         self._records: dict[int, ParamRecord] = {}
@@ -94,8 +94,10 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         self._grad_ram_reserved = 0  # bytes of nvme-tier gradients adopted to stay in RAM (nvme_grad_ram_bytes)
         self._grad_ram_auto: int | None = None  # nvme_grad_ram_bytes="auto": this process's budget, fixed once
         # NVMe swap and the pinned pool: made on first need (see configure_offload). The folder watch
-        # removes the engines' folders on SIGTERM (None: each engine its own).
-        self.offload = OffloadResources(comm.tracer, folder_watch, lambda nbytes: self._add_resting("cpu", nbytes))
+        # removes the engines' folders on SIGTERM (None: each engine its own); the pool is a quota of
+        # the process's pinned memory (None: an allocator of this store's own, counted here).
+        self.pinned_memory = pinned_memory if pinned_memory is not None else PinnedMemory(self.count_pinned_pool)
+        self.offload = OffloadResources(comm.tracer, folder_watch, self.pinned_memory)
         self._grad_writes: list = []  # in-flight gradient swap writes: (request, pinned buffer, record)
         # uid -> why its gradient in the swap files is incomplete (a failed write or
         # read); the step refuses it until drop_grads (opt.zero_grad()) discards it.
@@ -148,7 +150,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
                 for key, start, numel in record.swap_layout()]
 
     def count_pinned_pool(self, nbytes: int) -> None:
-        """Count (or, negative, stop counting) a pinned pool of the process's other than ``pinned``."""
+        """Count (or, negative, stop counting) a quota of the process's pinned memory (its allocator calls this)."""
         self._add_resting("cpu", nbytes)
 
     def count_transient(self, tier: str, delta: int, what: str, ledger: "Ledger") -> None:

@@ -2,21 +2,21 @@
 
 One :class:`OffloadResources` per store.  It is handed what it needs, nothing
 more: the tracer its engines draw on, the folder watch that removes their
-folders on SIGTERM, and the store's way to count the pinned pool's bytes; the
-records it sizes from are passed to the calls that read them.  Synchronous
-swap reads and writes through the pool are here too (adoption, checkpoints,
-the optimizer's first write of a master).
+folders on SIGTERM, and the process's pinned memory its pool is a quota of
+(``"parameters"``, counted there); the records it sizes from are passed to
+the calls that read them.  Synchronous swap reads and writes through the pool
+are here too (adoption, checkpoints, the optimizer's first write of a master).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from .aio import AioEngine
 from .ledger import ZinfStoreError
-from .pinned import PinnedPool
+from .pinned import PinnedMemory, PinnedPool
 from .records import GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS
 from .swap_folders import FolderWatch
 from .swap_layout import SUB_GROUP_NUMEL
@@ -28,13 +28,13 @@ class OffloadResources:
 
     ``tracer``: the timeline the engines' transfers are drawn on; ``folder_watch``:
     what removes their folders on SIGTERM (None: each engine its own);
-    ``count_cpu(nbytes)``: counts the pool's bytes in the store's accounting.
+    ``pinned_memory``: the allocator the pool is drawn from (which counts its bytes).
     """
 
-    def __init__(self, tracer: Tracer, folder_watch: FolderWatch | None, count_cpu: Callable[[int], None]):
+    def __init__(self, tracer: Tracer, folder_watch: FolderWatch | None, pinned_memory: PinnedMemory):
         self.tracer = tracer
         self.folder_watch = folder_watch
-        self._count_cpu = count_cpu
+        self.pinned_memory = pinned_memory
         self.engines_by_path: dict[str, AioEngine] = {}
         self.pinned: PinnedPool | None = None
         self.settings: dict = {}
@@ -83,8 +83,7 @@ class OffloadResources:
                 largest = max([r.local_numel * 4 for r in records] + [at_least, self.largest_shard_numel * 4])
                 group = min(largest, SUB_GROUP_NUMEL * 4)
                 wanted = max(64 << 20, 2 * largest + 12 * group)
-            self.pinned = PinnedPool(int(wanted))
-            self._count_cpu(self.pinned.capacity_bytes)
+            self.pinned = self.pinned_memory.quota("parameters", int(wanted))
         return self.pinned
 
     def prefetch_pinned_bytes(self, records: list) -> int | None:

@@ -103,7 +103,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     the values saved for backward and not yet consumed: on the device (what
     the forward's autograd nodes hold), and copies offloaded to ``cpu`` or
     ``nvme`` (option ``offload_activations``); at stage 0 they are counted
-    for the process only.
+    for the process only.  ``pinned``: per consumer of the process's pinned memory (parameters,
+    activations, early_optimizer), its ``quota``, ``in_use``, ``peak`` bytes and ``pinned`` (page-locked).
     The figures are this model's alone: another model in the same process
     has its own (and its own ``device_memory_limit``).
     """
@@ -140,6 +141,7 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     report["peak"] = {tier: sum(ledger.peak[tier] for ledger in ledgers) for tier in ("device", "cpu")}
     report["buffers"] = {"cpu": (RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0)
                          + RUNTIME.activations.pool_bytes}
+    report["pinned"] = RUNTIME.pinned_memory.figures()
     return report
 
 

@@ -131,6 +131,12 @@ def test_memory_report_counts_activations_per_tier(tmp_path):
     for report in (plain_after, cpu_after, nvme_after):
         assert all(report[tier]["activations"] == 0 for tier in ("device", "cpu", "nvme")), report
     assert RUNTIME.activations.live_entries() == 0
+    # The nvme tier stages through its own quota of the process's pinned memory, all given back after backward;
+    # the cpu tier draws none of it.
+    staging = nvme_after["pinned"]["activations"]
+    assert staging["quota"] == RUNTIME.activations.pool_bytes > 0 and staging["in_use"] == 0, nvme_after["pinned"]
+    assert 0 < to_nvme["pinned"]["activations"]["peak"] <= staging["quota"], to_nvme["pinned"]
+    assert to_cpu["pinned"] == cpu_after["pinned"], (to_cpu["pinned"], cpu_after["pinned"])
 
 
 def test_offloaded_activations_of_a_dropped_graph_are_freed(tmp_path):

@@ -7,6 +7,7 @@ bf16 shard, or a parameter frozen when it is adopted, keeps files of its own.
 """
 
 import copy
+import gc
 import os
 
 import pytest
@@ -72,7 +73,18 @@ def test_fp32_parameters_on_nvme_have_one_copy_on_disk(tmp_path, monkeypatch, co
     report = zinf.memory_report(compiled)
     local = sum(record.local_numel * 4 for record in records)
     assert report["nvme"]["params"] == local and report["nvme"]["optimizer"] == 2 * local, report["nvme"]
+    # The process's pinned memory per consumer: the store's pool, and the early step's own quota (copies=2).
+    pinned = report["pinned"]
+    assert pinned["parameters"]["quota"] == RUNTIME.store.pinned.capacity_bytes, pinned
+    assert 0 < pinned["parameters"]["peak"] <= pinned["parameters"]["quota"], pinned
+    if copies == 2:
+        assert opt._nvme.early.stats["committed"] > 0 and opt._nvme.early.pool is not None
+        assert 0 < pinned["early_optimizer"]["peak"] <= pinned["early_optimizer"]["quota"], pinned
     del opt
+    gc.collect()  # the early step's quota goes with its optimizer; what is left adds up to the shared pools
+    after = zinf.memory_report(compiled)
+    assert after["pinned"].get("early_optimizer", {"quota": 0})["quota"] == 0, after["pinned"]
+    assert sum(figures["quota"] for figures in after["pinned"].values()) == after["buffers"]["cpu"]
 
 
 def test_bf16_shards_and_frozen_parameters_keep_their_own_files(tmp_path):

@@ -51,7 +51,7 @@ def group_of(model):
 
 def own(report: dict) -> dict:
     """A model's own figures: everything but the process's shared pinned pools."""
-    return {key: value for key, value in report.items() if key != "buffers"}
+    return {key: value for key, value in report.items() if key not in ("buffers", "pinned")}
 
 
 def main() -> None:
