@@ -12,7 +12,7 @@
 * stage 0 with world size > 1: each gradient is averaged over ranks
   (``zinf.all_reduce_grad``), plain data parallelism.
 
-Buckets (:mod:`zinf_compiler.plan`): parameters of one block are gathered by
+Buckets (:mod:`zinf_compiler.unit_plan`): parameters of one block are gathered by
 one ``gather_start`` / ``gather_wait`` pair (the wait returns a list, one
 value per parameter, read with ``getitem``), placed before the first use of
 any of them and released after the last; the gradients of one block are
@@ -36,7 +36,7 @@ import operator
 
 import torch
 
-from zinf_compiler import ops, plan
+from zinf_compiler import ops, unit_plan
 from zinf_compiler.context import GraphContext
 from zinf_compiler.graph_utils import call_op, first_node, last_node, node_order, output_node, placeholders_by_name
 from zinf_compiler.passes.tile import TILE_META, TILED_GRAD_META
@@ -74,7 +74,7 @@ def _insert_gathers(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
             whole[info.position] = (param_node, compute_users)
     order = node_order(graph)
     in_use_order = sorted(whole, key=lambda slot: order[first_node(whole[slot][1], order)])
-    for bucket in plan.buckets(ctx, in_use_order):
+    for bucket in unit_plan.buckets(ctx, in_use_order):
         _gather_bucket(graph, bucket, [whole[slot] for slot in bucket])
         gathered_slots.extend(slot for slot in bucket if slot not in gathered_slots)
     return gathered_slots
@@ -188,7 +188,7 @@ def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
     order = node_order(graph)
     # A gradient passed straight through from an input counts as made at the end.
     made_at = {slot: len(order) if grad.op == "placeholder" else order[grad] for slot, grad in whole.items()}
-    for bucket in plan.buckets(ctx, sorted(whole, key=made_at.__getitem__)):
+    for bucket in unit_plan.buckets(ctx, sorted(whole, key=made_at.__getitem__)):
         # As soon as the bucket's last gradient exists (the schedule pass may push the wait later).
         last = max(bucket, key=made_at.__getitem__)
         label = f"{bucket[0]}" + (f"_and_{len(bucket) - 1}" if len(bucket) > 1 else "")

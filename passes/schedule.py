@@ -66,7 +66,7 @@ import dataclasses
 import operator
 import torch
 
-from zinf_compiler import ops, plan
+from zinf_compiler import ops, unit_plan
 from zinf_compiler.context import GraphContext
 from zinf_compiler.passes import schedule_table
 
@@ -171,7 +171,7 @@ def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]
                 name=f"activation {handle.name}", slots=[], tile=-1, wait=node,
                 groups={"gg": [ops.arg(node, "token")]},
                 release=max(node.users, key=position.__getitem__) if node.users else None,
-                gathered_bytes=plan.value_bytes([node]), kind="activation"))
+                gathered_bytes=unit_plan.value_bytes([node]), kind="activation"))
             continue
         if node.op != "call_function" or node.target is not ops.GATHER_WAIT:
             continue
@@ -188,9 +188,9 @@ def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]
                 groups["cg"] = [source, cg_start]
                 groups["nc"] = [ops.arg(source, "token")]
         release = next((user for user in node.users if user.target is ops.RELEASE), None)
-        sizes = plan.unit_sizes(ctx, slots, tile)
+        sizes = unit_plan.unit_sizes(ctx, slots, tile)
         fetches.append(_Fetch(
-            name=plan.unit_name(ctx, slots, tile), slots=list(slots), tile=-1 if tile is None else tile, wait=node,
+            name=unit_plan.unit_name(ctx, slots, tile), slots=list(slots), tile=-1 if tile is None else tile, wait=node,
             groups=groups, release=release, shard_bytes=sizes.local if "cg" in groups else 0,
             gathered_bytes=sizes.gathered, pinned_bytes=sizes.pinned if "nc" in groups else 0,
             copy_out_bytes=sizes.copy_out))
@@ -204,10 +204,10 @@ def _find_reduces(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Reduce
             continue
         wait = next(user for user in node.users if user.target is ops.REDUCE_GRAD_WAIT)
         grads, slots, tile = ops.arg(node, "grads"), ops.arg(node, "slots"), ops.tile_of(node)
-        reduces.append(_Reduce(name=plan.unit_name(ctx, slots, tile), slots=list(slots),
+        reduces.append(_Reduce(name=unit_plan.unit_name(ctx, slots, tile), slots=list(slots),
                                tile=-1 if tile is None else tile, start=node, wait=wait,
-                               staging_bytes=plan.unit_sizes(ctx, slots, tile).reduce,
-                               grad_bytes=plan.value_bytes(grads)))
+                               staging_bytes=unit_plan.unit_sizes(ctx, slots, tile).reduce,
+                               grad_bytes=unit_plan.value_bytes(grads)))
     return reduces
 
 

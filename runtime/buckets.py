@@ -1,6 +1,6 @@
 """Bucketing: which consecutive parameters move in one collective.
 
-One rule, used by the graphs' buckets (zinf_compiler/plan.py: the gathers
+One rule, used by the graphs' buckets (zinf_compiler/unit_plan.py: the gathers
 and reduce-scatters the passes insert) and by the optimizer's own
 collectives (store_grads.py: stage 1's reduction of ``param.grad``, the
 publishing of updated shards).  Parameters are taken in the order given; a

@@ -51,12 +51,11 @@ import torch
 
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
-from .swap_layout import ALIGNMENT
+from .pool_sizes import READ_AHEAD, early_step_pool_bytes
 from .pinned import PinnedPool
 from .records import POOL_WAIT_SECONDS
 
 # Sub-groups read ahead per parameter: one computing while the next is read.
-READ_AHEAD = 2
 
 
 @dataclasses.dataclass(eq=False)
@@ -175,13 +174,8 @@ class EarlyAdam:
 
     def _pool(self) -> PinnedPool:
         if self.pool is None:
-            records = self.records
-            group = max(r.plan.state_groups[0][1] * 4 + ALIGNMENT for r in records)
-            shard = max([r.shard_bytes + ALIGNMENT for r in records if not r.params_in_master] + [0])
-            # Groups reading ahead and one writing, three state buffers each; the shards of
-            # two parameters in compute dtype (one being written while the next is staged).
             self.pool = self.nvme_adam.store.pinned_memory.quota(
-                "early_optimizer", (READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard)
+                "early_optimizer", early_step_pool_bytes(record.plan for record in self.records))
         return self.pool
 
     def advance(self) -> None:

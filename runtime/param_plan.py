@@ -111,6 +111,17 @@ class ParamPlan:
         """Elements ``tile`` takes in the local shard: its slice, padded to ``tile_align``."""
         return _ceil_div(self.tile_shard_numels[tile], self.tile_align) * self.tile_align
 
+    def swap_bytes(self, trained: bool) -> int:
+        """Bytes of one copy of this rank's swap files for the parameter: the nvme-tier shard's own files
+        (unless the shard is the master's) and, for a ``trained`` parameter on the nvme optimizer tier, the
+        fp32 state of :data:`OPTIMIZER_STATES` (master, moments, gradient)."""
+        nbytes = 0
+        if self.param_tier == "nvme" and not self.params_in_master:
+            nbytes += sum(numel for _, _, numel in self.shard_swap) * self.compute_dtype.itemsize
+        if self.opt_tier == "nvme" and trained:
+            nbytes += len(OPTIMIZER_STATES) * self.local_numel * 4
+        return nbytes
+
     def state_key(self, state: str, index: int) -> str:
         """The swap key of optimizer state ``state`` (see :data:`OPTIMIZER_STATES`) of sub-group ``index``."""
         return state_key(state, self.uid, index)
@@ -119,6 +130,12 @@ class ParamPlan:
         """(swap key, start, stop) of optimizer state ``state`` (see :data:`OPTIMIZER_STATES`), per sub-group."""
         return tuple((self.state_key(state, index), start, stop)
                      for index, (start, stop) in enumerate(self.state_groups))
+
+
+def choose_owner(owned_numel_by_rank: dict[int, int], world_size: int) -> int:
+    """partition="broadcast": the rank that holds the next parameter whole, the one owning the fewest
+    elements so far (the lowest rank on a tie); adoption order decides, the same on every rank."""
+    return min(range(world_size), key=lambda rank: (owned_numel_by_rank.get(rank, 0), rank))
 
 
 def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device, stage: int,

@@ -28,12 +28,13 @@ from .aio import AioEngine
 from .comm import Comm, MeshComm
 from .host_memory import available_bytes, ranks_on_node
 from .swap_folders import FolderWatch
+from .pool_sizes import auto_grad_ram_bytes
 from .swap_layout import SUB_GROUP_NUMEL
 from .pinned import PinnedMemory, PinnedPool
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
 from .model_group import ModelGroup
-from .param_plan import OPTIMIZER_STATES, plan_param
+from .param_plan import OPTIMIZER_STATES, choose_owner, plan_param
 from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, local_slice, move_to_empty_storage, nbytes_of,
                       padded_view, tier_memory)
 from .store_accounting import StoreAccounting
@@ -46,12 +47,6 @@ from .transfers import TransferTable
 from .units import Unit
 
 __all__ = ["DTYPES", "ParamRecord", "ParamStore", "ZinfStoreError"]
-
-
-# nvme_grad_ram_bytes="auto": gradients in RAM up to this fraction (1/N) of the memory available
-# at the first compile, shared by the node's ranks.  An eighth leaves room for the activations,
-# the pinned pool and the optimizer's streaming buffers of a model much larger than RAM.
-AUTO_GRAD_RAM_SHARE = 8
 
 
 class _ParamRef(weakref.ref):
@@ -239,7 +234,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             world_size, rank = mesh.shard.world_size, mesh.shard.rank
             owner = None
             if partition == "broadcast":
-                owner = min(range(world_size), key=lambda r: (self._owned_bytes_by_rank.get(r, 0), r))
+                owner = choose_owner(self._owned_bytes_by_rank, world_size)
             nvme_copies = self.offload.settings.get("nvme_copies", 2)  # (what its swap engine is made with)
             plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, device=param.device,
                               stage=stage, partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
@@ -293,7 +288,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun); fixed from then on, so that what this
         process allocates afterwards does not shrink it.  0 where the kernel does not say."""
         if self._grad_ram_auto is None:
-            self._grad_ram_auto = (available_bytes() or 0) // (AUTO_GRAD_RAM_SHARE * ranks_on_node())
+            self._grad_ram_auto = auto_grad_ram_bytes(available_bytes(), ranks_on_node())
         return self._grad_ram_auto
 
     def release_full_storage(self, records: Iterable[ParamRecord]) -> None:

@@ -17,6 +17,7 @@ import torch
 from .aio import AioEngine
 from .ledger import ZinfStoreError
 from .pinned import PinnedMemory, PinnedPool
+from .pool_sizes import parameter_pool_bytes
 from .records import GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS
 from .swap_folders import FolderWatch
 from .swap_layout import SUB_GROUP_NUMEL
@@ -77,12 +78,8 @@ class OffloadResources:
         if self.pinned is None:
             wanted = self.settings.get("pinned_bytes", "auto")
             if wanted == "auto":
-                # Two of the largest fp32 slices (a fetch in flight while the
-                # optimizer stages one) plus the optimizer's twelve sub-group
-                # buffers (three groups of master, two moments and gradient in flight).
-                largest = max([r.local_numel * 4 for r in records] + [at_least, self.largest_shard_numel * 4])
-                group = min(largest, SUB_GROUP_NUMEL * 4)
-                wanted = max(64 << 20, 2 * largest + 12 * group)
+                wanted = parameter_pool_bytes(
+                    max([r.local_numel * 4 for r in records] + [at_least, self.largest_shard_numel * 4]))
             self.pinned = self.pinned_memory.quota("parameters", int(wanted))
         return self.pinned
 

@@ -11,6 +11,7 @@ from .backend import materialize, register, zinf_backend
 from .checkpoint import ZinfCheckpointError, export, latest, load, save
 from .deepspeed_config import DeepSpeedConfigWarning, options_from_deepspeed
 from .options import ZinfOptionError, ZinfOptions, describe_options, parse_options
+from .planner import Prediction, plan
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,8 @@ __all__ = [
     "gathered",
     "materialize",
     "memory_report",
+    "plan",
+    "Prediction",
     "optim",
     "reset_peak_memory",
     "ZinfOptionError",

@@ -16,7 +16,7 @@ import torch
 
 from .options import ZinfOptions
 from .runtime.aio import validate_folder
-from .runtime.param_plan import OPTIMIZER_STATES, plan_param
+from .runtime.param_plan import plan_param
 from .runtime.store import DTYPES
 from .runtime.tiers import store_tier
 
@@ -31,6 +31,17 @@ def _store_settings(options: ZinfOptions) -> dict:
     return dict(stage=options.stage, partition=options.partition, param_dtype=options.param_dtype,
                 param_tier=store_tier(options.offload_param), opt_tier=store_tier(options.offload_optimizer),
                 bucket_bytes=options.bucket_bytes, step_in_backward=options.overlap_optimizer)
+
+
+def plan_for(param: torch.Tensor, tile_rows: tuple[int, ...] | None, options: ZinfOptions, world_size: int,
+             rank: int, owner: int | None = None, uid: int = 0):
+    """The plan ``param`` (real or on the meta device: only its shape, dtype and device are read) gets under
+    ``options`` on ``rank`` of ``world_size`` (see runtime/param_plan.py), as adoption would make it."""
+    settings = _store_settings(options)
+    settings["param_dtype"] = DTYPES[options.param_dtype]
+    return plan_param(uid=uid, shape=param.shape, dtype=param.dtype, device=param.device, world_size=world_size,
+                      rank=rank, owner=owner, tile_rows=tile_rows, requires_grad=param.requires_grad,
+                      nvme_copies=options.nvme_copies, **settings)
 
 
 def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, tile_rows: tuple[int, ...] | None,
@@ -52,19 +63,12 @@ def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]
     if "nvme" not in (options.offload_param, options.offload_optimizer):
         return
     shard = model_mesh(options, store.comm).shard
-    settings = _store_settings(options)
-    settings["param_dtype"] = DTYPES[options.param_dtype]
     needed = 0
     for param, tile_rows in params:
         if store.lookup(param) is not None:
             continue
         # A broadcast parameter's owner is chosen at adoption: count it as this rank's, the most it can hold.
-        plan = plan_param(uid=0, shape=param.shape, dtype=param.dtype, device=param.device, world_size=shard.world_size,
-                          rank=shard.rank, owner=shard.rank, tile_rows=tile_rows, requires_grad=param.requires_grad,
-                          nvme_copies=options.nvme_copies, **settings)
+        plan = plan_for(param, tile_rows, options, shard.world_size, shard.rank, owner=shard.rank)
         store.plan_shards(plan.local_numel)
-        if plan.param_tier == "nvme" and not plan.params_in_master:  # (else its reads go to the master's files)
-            needed += options.nvme_copies * sum(numel for _, _, numel in plan.shard_swap) * plan.compute_dtype.itemsize
-        if plan.opt_tier == "nvme" and param.requires_grad:
-            needed += options.nvme_copies * len(OPTIMIZER_STATES) * plan.local_numel * 4  # fp32 master, moments, grad
+        needed += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
     validate_folder(options.nvme_path, needed)

@@ -64,7 +64,7 @@ class CapturedGraph:
     tile_rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # Dynamo position -> the fixed layout of the parameter adopted there
     # (:class:`zinf_compiler.runtime.units.ParamLayout`, a copy): what the
-    # passes size units with (see zinf_compiler/plan.py).
+    # passes size units with (see zinf_compiler/unit_plan.py).
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
     # Ranks the graph's parameters are sharded over (world_size of them) and, for HSDP, replicated
     # across: a runtime.comm.MeshComm, set by the backend (None outside it).

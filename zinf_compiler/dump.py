@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import plan
+from . import unit_plan
 from .context import CapturedGraph, GraphContext
 
 INDEX_FILE = "index.json"
@@ -144,7 +144,7 @@ class GraphDumper:
             return
         after = op_counts(gm)
         change = describe_count_change(before, after) if before is not None else f"{sum(after.values())} ops"
-        tier_bytes = plan.param_bytes_per_tier(ctx)
+        tier_bytes = unit_plan.param_bytes_per_tier(ctx)
         header = [
             f"zinf dump: graph {ctx.graph_id} {ctx.kind}, after {stage!r} (step {step})",
             f"ops: {change}",

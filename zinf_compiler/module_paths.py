@@ -22,7 +22,7 @@ of it records the path and class of each module it runs in
 (``nn_module_stack``) and every parameter placeholder its source.
 :meth:`ModuleBlocks.from_graph` reads that tree once at capture time
 (``CapturedGraph.module_blocks``); the partition pass's buckets
-(``plan.py``, from parameter names) and the ``"block"`` checkpointing
+(``unit_plan.py``, from parameter names) and the ``"block"`` checkpointing
 regions (``recompute.py``, from ``nn_module_stack``) both ask it, so the two
 agree on every block.
 """

@@ -1,6 +1,6 @@
 """Issue 25 point 5: one name for a parameter's or a node's module, and one rule for what a block is.
 
-``plan.py`` buckets parameters per block (from their names) and
+``unit_plan.py`` buckets parameters per block (from their names) and
 ``recompute.py`` checkpoints per block (from the nodes' ``nn_module_stack``);
 both read :mod:`zinf_compiler.module_paths`.  A model whose forward is
 reached through ``def wrapper(*args, **kwargs)`` (transformers'

@@ -1,4 +1,4 @@
-"""The planner's arithmetic (zinf_compiler/plan.py) on drawn parameter tables, in-process (issue 27).
+"""The planner's arithmetic (zinf_compiler/unit_plan.py) on drawn parameter tables, in-process (issue 27).
 
 ``buckets`` groups parameters, in use order, into the units the partition
 pass gathers and reduces together.  What must hold for any table: every
@@ -16,7 +16,7 @@ import types
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zinf_compiler import plan
+from zinf_compiler import unit_plan
 from zinf_compiler.module_paths import ModuleBlocks
 from zinf_compiler.runtime.param_plan import plan_param
 from zinf_compiler.runtime.units import ParamLayout, can_share_unit, unit_of
@@ -34,7 +34,7 @@ def _layout(uid: int, numel: int, world: int, *, dtype=torch.float32, tiled=Fals
 
 def _context(layouts: dict[int, ParamLayout], blocks: dict[int, str], world: int, bucket_bytes: int,
              cap: int | None):
-    """What ``plan`` reads of a GraphContext: the parameters' layouts, names and blocks, and the options."""
+    """What ``unit_plan`` reads of a GraphContext: the parameters' layouts, names and blocks, and the options."""
     names = {slot: (f"{blocks[slot]}.w{slot}" if blocks[slot] else f"head.w{slot}") for slot in layouts}
     inputs = {slot: types.SimpleNamespace(name=name) for slot, name in names.items()}
     captured = types.SimpleNamespace(layouts=layouts, world_size=world, live_bytes_cap=cap, inputs=inputs,
@@ -70,7 +70,7 @@ def _gathered_bytes(layout: ParamLayout) -> int:
 def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_where_they_must(table):
     world, layouts, blocks, order, bucket_bytes, cap = table
     ctx = _context(layouts, blocks, world, bucket_bytes, cap)
-    groups = plan.buckets(ctx, order)
+    groups = unit_plan.buckets(ctx, order)
     assert [slot for group in groups for slot in group] == list(order)
     limit = bucket_bytes if world > 1 else 0
     if cap is not None:
@@ -87,7 +87,7 @@ def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_wh
     for previous, group in zip(groups, groups[1:]):  # greedy: the next one could not have joined
         head, joining = layouts[previous[0]], layouts[group[0]]
         could_join = (limit > 0 and blocks[group[0]] == blocks[previous[-1]]
-                      and plan._bucketable(layouts[previous[-1]]) and can_share_unit(head, joining)
+                      and unit_plan._bucketable(layouts[previous[-1]]) and can_share_unit(head, joining)
                       and sum(_gathered_bytes(layouts[slot]) for slot in previous) + _gathered_bytes(joining) <= limit)
         assert not could_join, (previous, group)
 
@@ -97,14 +97,14 @@ def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_wh
 def test_unit_sizes_are_the_stores_and_tier_bytes_count_each_shard_once(table):
     world, layouts, blocks, order, bucket_bytes, cap = table
     ctx = _context(layouts, blocks, world, bucket_bytes, cap)
-    for group in plan.buckets(ctx, order):
-        assert plan.unit_sizes(ctx, group, None) == unit_of([layouts[slot] for slot in group]).sizes
+    for group in unit_plan.buckets(ctx, order):
+        assert unit_plan.unit_sizes(ctx, group, None) == unit_of([layouts[slot] for slot in group]).sizes
         if len(group) > 1:
-            sizes = plan.unit_sizes(ctx, group, None)
+            sizes = unit_plan.unit_sizes(ctx, group, None)
             assert sizes.gathered == sum(_gathered_bytes(layouts[slot]) for slot in group)
     ctx.params = {f"primals_{slot}": types.SimpleNamespace(position=slot, nbytes=layout.numel * layout.dtype.itemsize)
                   for slot, layout in layouts.items()}
-    held = plan.param_bytes_per_tier(ctx)
+    held = unit_plan.param_bytes_per_tier(ctx)
     # Stage 3: only shards are held between steps, each on its own tier.
     for tier in ("device", "cpu", "nvme"):
         assert held[tier] == sum(layout.shard_bytes for layout in layouts.values() if layout.param_tier == tier)

@@ -1,0 +1,80 @@
+"""zinf.plan predicts, before any run, the bytes memory_report then shows (issue 38, "a plan before the run").
+
+For each option set a tiny GPT is planned from a copy built on the meta device (nothing allocated), then
+trained for real: after a step and a further backward (moments, gradients and shards all present) each
+tier's params, grads and optimizer figures of ``memory_report`` equal the prediction within the
+optimizer's step counters (a few bytes per parameter, which the plan leaves out).  The byte rules do not
+depend on the lowering: the default run lowers one option set with Inductor (the default) and the rest
+with ``lower="eager"`` to keep the suite short.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zinf_compiler as zinf
+from zinf_compiler.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+SLACK = 64  # bytes per parameter: the optimizer's step counters, which the plan leaves out
+
+CASES = {
+    "stage3-device-inductor": {"stage": 3},
+    "stage3-cpu": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "lower": "eager"},
+    "stage3-nvme": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "lower": "eager"},
+    "stage3-nvme-tiled": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "lower": "eager",
+                          "tile_threshold": 4096, "tile_factor": 2},
+    "stage2-cpu": {"stage": 2, "offload_optimizer": "cpu", "lower": "eager"},
+    "stage3-bf16-cpu": {"stage": 3, "param_dtype": "bf16", "offload_param": "cpu", "offload_optimizer": "cpu",
+                        "lower": "eager"},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plan_predicts_what_memory_report_then_shows(case, tmp_path):
+    options = dict(CASES[case])
+    if "nvme" in options.values():
+        options["nvme_path"] = str(tmp_path)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        blueprint = GPT(CFG)
+    predicted = zinf.plan(blueprint, (idx, idx), options)
+    assert all(p.is_meta for p in blueprint.parameters())  # nothing was allocated for the plan
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    compiled = torch.compile(model, backend="zinf", options=options)
+    opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled(idx, idx).backward()
+    opt.step()
+    compiled(idx, idx).backward()  # moments, gradients and shards all held now
+    report = zinf.memory_report(compiled)
+    slack = SLACK * len(list(model.parameters()))
+    for tier in ("device", "cpu", "nvme"):
+        for kind in ("params", "grads", "optimizer"):
+            assert abs(report[tier][kind] - predicted.memory[tier][kind]) <= slack, (
+                tier, kind, report[tier][kind], predicted.memory[tier][kind])
+    # The store's pinned pool (made once per process, at the first NVMe transfer) is the one predicted.
+    if "nvme" in options.values():
+        assert report["pinned"]["parameters"]["quota"] == predicted.pinned["parameters"] > 0
+    else:
+        assert predicted.pinned["parameters"] == 0
+    # The swap files on disk (one copy written so far per key at most) fit the predicted swap space.
+    on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert on_disk <= predicted.swap_space + (1 << 20)
+    opt.zero_grad()
+
+
+def test_the_plan_counts_flops_and_saved_activations_and_refuses_nothing_to_backward_from():
+    with torch.device("meta"):
+        blueprint = GPT(CFG)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size))
+    predicted = zinf.plan(blueprint, (idx, idx), {"stage": 3})
+    numel = sum(p.numel() for p in blueprint.parameters())
+    tokens = idx.numel()
+    # Forward and backward of a transformer: about 6 FLOPs per parameter and token, attention on top.
+    assert 5 * numel * tokens <= predicted.flops <= 12 * numel * tokens
+    assert predicted.memory["device"]["activations"] > tokens * CFG.n_embd * 4 * CFG.n_layer
+    with pytest.raises(ValueError, match="no tensor to run backward from"):
+        zinf.plan(torch.nn.Identity(), (None,), {"stage": 3})

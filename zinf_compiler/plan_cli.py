@@ -1,0 +1,111 @@
+"""``python -m zinf_compiler.plan_cli``: what a model needs under each option set, before any run.
+
+The model is built on the meta device (no weights are allocated): zinf's GPT
+from its sizes (``--n-layer --n-embd --n-head --vocab --block-size``) or a
+Hugging Face causal LM from its ``config.json`` (``--hf-config``).  Each
+option set (``--options '{"stage": 3, ...}'``, repeatable; default: a table of
+the usual ones) is planned with :func:`zinf_compiler.planner.plan` at
+``--world-size`` ranks, and one line per option set is printed: bytes per tier,
+pinned pools, swap space, disk and collective bytes per step and, with
+``--probe`` (this machine's matmul, memory and disk rates, about a second),
+the predicted step.  The disk is probed in ``--nvme-path``.
+
+Example::
+
+    python -m zinf_compiler.plan_cli --n-layer 12 --n-embd 768 --batch 8 --seq 512 --world-size 2 --probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+import torch
+
+from .planner import describe, plan
+
+# The usual option sets, from everything on the device to everything on NVMe.
+CANDIDATES = (
+    {"stage": 2},
+    {"stage": 3},
+    {"stage": 3, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_optimizer": "nvme"},
+    {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"},
+    {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "activation_checkpointing": "block"},
+)
+
+
+def _model_and_batch(args) -> tuple[torch.nn.Module, tuple]:
+    """The model on the meta device and one batch of ``--batch`` x ``--seq`` token ids (with labels)."""
+    if args.hf_config:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(args.hf_config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        vocab = config.vocab_size
+    else:
+        from .gpt import GPT, GPTConfig
+
+        config = GPTConfig(vocab_size=args.vocab, block_size=max(args.block_size, args.seq), n_layer=args.n_layer,
+                           n_head=args.n_head, n_embd=args.n_embd)
+        with torch.device("meta"):
+            model = GPT(config)
+        vocab = config.vocab_size
+    tokens = torch.randint(0, vocab, (args.batch, args.seq))
+    return model, (tokens, tokens)
+
+
+def _profile(nvme_path: str, dtype: torch.dtype):
+    """This machine's rates (zinf_compiler/cost_model.py's probes), for this process alone."""
+    from .cost_model import profile_machine
+    from .runtime.comm import Comm
+    from .runtime.copy_engine import CopyEngine
+    from .runtime.trace import Tracer
+
+    tracer = Tracer()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return profile_machine(device, dtype, nvme_path, Comm(copier=CopyEngine(tracer), tracer=tracer))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plan the model ``argv`` describes under each option set and print the table (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m zinf_compiler.plan_cli", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-config", help="a Hugging Face config.json (or its folder): plan that causal LM")
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-embd", type=int, default=768)
+    parser.add_argument("--n-head", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--block-size", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--options", action="append", type=json.loads,
+                        help="a JSON object of zinf options (repeat for several rows; default: the usual sets)")
+    parser.add_argument("--nvme-path", default=None, help="the folder NVMe tiers use (default: a temporary one)")
+    parser.add_argument("--probe", action="store_true", help="measure this machine's rates and predict the step")
+    args = parser.parse_args(argv)
+    model, batch = _model_and_batch(args)
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
+        nvme_path = args.nvme_path or scratch
+        profile = _profile(nvme_path, torch.float32) if args.probe else None
+        predictions = []
+        for options in args.options or CANDIDATES:
+            options = dict(options)
+            if "nvme" in options.values():
+                options.setdefault("nvme_path", nvme_path)
+            predictions.append(plan(model, batch, options, world_size=args.world_size, profile=profile))
+    print(f"{type(model).__name__}: {numel:,} parameters, batch {args.batch} x {args.seq} tokens, "
+          f"world size {args.world_size}; per rank (the one holding the most), MiB:\n")
+    print(describe(predictions).replace(f", nvme_path={nvme_path}", ""))
+    if profile is not None:
+        print("\nrates: " + "; ".join(profile.describe()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""``zinf.plan``: what a model will hold and move on each rank under given options, before any run
+(the command line: ``python -m zinf_compiler.plan_cli``).
+
+Nothing is allocated: the parameters are read for their shapes and dtypes
+only (a model built under ``torch.device("meta")`` is fine), each gets the
+plan adoption would give it (:func:`~zinf_compiler.adoption.plan_for`, the
+same pure function the store lays parameters out by), and the example inputs,
+if given, run forward and backward once on fake tensors to count the FLOPs and
+the bytes autograd saves for backward.
+
+What it predicts, per rank (the rank holding the most):
+
+* ``memory``: bytes per tier (device, cpu, nvme) and kind (params, grads,
+  optimizer, activations) after backward, before the step: the figures
+  ``zinf.memory_report`` gives at that point, by the same rules;
+* ``pinned``: the staging pools per consumer (runtime/pool_sizes.py's formulas);
+* ``swap_space``: the bytes ``nvme_path`` needs (every copy, see ``nvme_copies``);
+* ``disk_read`` / ``disk_write`` / ``collective``: bytes per step;
+* ``step``: seconds of compute (FLOPs at the probed matmul rate, a recompute
+  forward added under activation checkpointing), disk and collectives at the
+  probed rates, and ``predicted`` = the longest of them plus the CPU optimizer's
+  pass over its state (memory-bound), which overlaps none of them.
+
+Approximations, stated: activations are what eager autograd saves (an upper
+bound under activation checkpointing, which saves less); the fp16 scaler's and
+the optimizer's step counters (a few bytes per parameter) are left out; a
+broadcast-partitioned parameter's owner follows adoption's rule in parameter
+order, which is the graph's order only where they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .adoption import plan_for
+from .options import ZinfOptions, parse_options
+from .runtime.param_plan import ParamPlan, choose_owner
+from .runtime.pool_sizes import auto_grad_ram_bytes, early_step_pool_bytes, parameter_pool_bytes
+from .runtime.host_memory import available_bytes, ranks_on_node
+from .tile_plan import tile_rows_for
+
+TIERS = ("device", "cpu", "nvme")
+KINDS = ("params", "grads", "optimizer", "activations")
+# Bytes the CPU Adam pass moves per fp32 element it steps: it reads the master, two moments and the
+# gradient and writes the master and two moments.
+ADAM_BYTES_PER_ELEMENT = 7 * 4
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One option set's prediction for one rank (see the module docstring)."""
+
+    options: dict
+    world_size: int
+    rank: int
+    memory: dict[str, dict[str, int]]
+    pinned: dict[str, int]
+    swap_space: int
+    disk_read: int
+    disk_write: int
+    collective: int
+    flops: int | None = None
+    step: dict[str, float] | None = None
+
+    def tier_total(self, tier: str) -> int:
+        """Bytes on ``tier`` of every kind."""
+        return sum(self.memory[tier].values())
+
+    def host_bytes(self) -> int:
+        """Host memory zinf holds on this rank: the cpu tier, the pinned pools and, on a CPU device, the
+        device tier too (the process's own libraries and Python objects are not counted)."""
+        on_host = self.tier_total("cpu") + sum(self.pinned.values())
+        if self.options.get("device", "cpu") == "cpu":
+            on_host += self.tier_total("device")
+        return on_host
+
+
+def _state_bytes(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool) -> dict[str, dict[str, int]]:
+    """The bytes one parameter puts on each tier, by kind, after backward (memory_report's rules)."""
+    memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
+    full = param.numel() * param.element_size()
+    trained = param.requires_grad and param.dtype.is_floating_point
+    mem = {"device": "device", "cpu": "cpu", "nvme": "cpu"}  # where a tier's tensors live in memory
+    if plan.stage < 3:
+        memory["device"]["params"] += full  # the parameter keeps its own storage
+    if plan.stage == 0:
+        if trained:
+            memory["device"]["grads"] += full
+            memory["device"]["optimizer"] += 2 * full  # torch's Adam: two moments in the parameter's dtype
+        return memory
+    if not plan.shard_is_param:
+        memory[plan.param_tier]["params"] += plan.local_numel * plan.compute_dtype.itemsize
+    if not trained or plan.local_numel == 0:
+        return memory
+    local_fp32 = plan.local_numel * 4
+    if plan.stage == 1:
+        memory["device"]["grads"] += full  # param.grad, reduced into the shard at the step
+    elif plan.opt_tier == "nvme":
+        memory["cpu" if grad_in_ram else "nvme"]["grads"] += local_fp32
+    else:
+        memory[mem[plan.opt_tier]]["grads"] += local_fp32
+    if plan.opt_tier == "nvme":
+        memory["nvme"]["optimizer"] += 2 * local_fp32 + (0 if plan.params_in_master else local_fp32)
+    else:
+        master_is_shard = plan.param_tier == plan.opt_tier and plan.compute_dtype == torch.float32
+        memory[mem[plan.opt_tier]]["optimizer"] += 2 * local_fp32 + (0 if master_is_shard else local_fp32)
+    return memory
+
+
+def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute: bool) -> tuple[int, int, int]:
+    """(disk read, disk write, collective) bytes of one parameter per step on this rank."""
+    trained = param.requires_grad and param.dtype.is_floating_point and plan.stage > 0
+    shard_bytes = plan.local_numel * plan.compute_dtype.itemsize
+    local_fp32 = plan.local_numel * 4
+    read = write = 0
+    if plan.param_tier == "nvme":
+        read += shard_bytes * (3 if recompute else 2)  # forward, backward (and the recompute's forward)
+        if trained and not plan.params_in_master:
+            write += shard_bytes  # the stepped value written back
+    if trained and plan.opt_tier == "nvme":
+        read += 3 * local_fp32  # master and two moments
+        write += 3 * local_fp32
+        if not grad_in_ram:
+            read += local_fp32
+            write += local_fp32
+    collective = 0
+    if plan.world_size > 1:
+        gathered = plan.gathered_numel * plan.compute_dtype.itemsize  # a gather's output, a reduction's input
+        if plan.stage == 3:
+            collective += gathered * (3 if recompute else 2)  # gathers: forward, backward (and the recompute)
+        elif plan.stage > 0:
+            collective += gathered  # the stepped shards published to every rank
+        if trained:
+            collective += gathered  # the gradient's reduce-scatter
+        elif plan.stage == 0 and param.requires_grad:
+            collective += 2 * param.numel() * param.element_size()  # the gradient's all-reduce
+    return read, write, collective
+
+
+def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[int, int]:
+    """(FLOPs of one forward and backward, bytes autograd saves for backward), on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    saved: dict[int, int] = {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        params = {name: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                  for name, p in model.named_parameters()}
+        buffers = {name: torch.zeros(b.shape, dtype=b.dtype) for name, b in model.named_buffers()}
+        inputs = [mode.from_tensor(x.to("meta") if x.is_meta else x) if isinstance(x, torch.Tensor) else x
+                  for x in example_inputs]
+        weights = {p.untyped_storage()._cdata for p in params.values()}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in weights:
+                saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        with FlopCounterMode(display=False) as flops:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
+            loss = _a_loss(out)
+            if loss.requires_grad:
+                loss.backward()
+    return flops.get_total_flops(), sum(saved.values())
+
+
+def _a_loss(out: Any) -> torch.Tensor:
+    """A scalar to run backward from: the model's loss if it returns one, else the sum of its first output."""
+    if isinstance(out, torch.Tensor):
+        return out.float().sum() if out.dim() else out
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    values = list(out.values()) if isinstance(out, Mapping) else list(out) if isinstance(out, (tuple, list)) else []
+    for value in reversed(values) if isinstance(out, tuple) else values:  # (a tuple's loss comes last)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float().sum() if value.dim() else value
+    raise ValueError(f"zinf.plan: the model returned {type(out).__name__}; no tensor to run backward from")
+
+
+def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
+         world_size: int | None = None, profile: Any = None) -> Prediction:
+    """Predict, for ``options`` at ``world_size`` ranks (default: the process group's, else 1), what the
+    rank that holds the most keeps on each tier and moves per step (see the module docstring).
+
+    ``example_inputs``: one batch (positional arguments of the model); without it activations, FLOPs and
+    the step's time are not predicted.  ``profile``: a
+    :class:`~zinf_compiler.cost_model.MachineProfile` for the step's time (None: no time predicted).
+    """
+    parsed = parse_options(dict(options or {}))
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    named = _unique_named_params(model)
+    flops = saved = None
+    if example_inputs is not None:
+        flops, saved = _fake_run(model, example_inputs)
+    best = None
+    for rank in range(world_size):
+        prediction = _plan_rank(named, parsed, options or {}, world_size, rank, saved, flops, profile)
+        if best is None or prediction.host_bytes() + prediction.tier_total("device") > \
+                best.host_bytes() + best.tier_total("device"):
+            best = prediction
+    return best
+
+
+def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, asked: Mapping, world_size: int,
+               rank: int, saved: int | None, flops: int | None, profile: Any) -> Prediction:
+    memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
+    owned: dict[int, int] = {}
+    grad_ram = options.nvme_grad_ram_bytes
+    if grad_ram == "auto":
+        grad_ram = auto_grad_ram_bytes(available_bytes(), ranks_on_node())
+    grad_ram_left = grad_ram
+    recompute = options.activation_checkpointing != "none"
+    plans, read, write, collective, swap_space = [], 0, 0, 0, 0
+    host_stepped = 0  # fp32 elements the CPU optimizer steps (cpu and nvme optimizer tiers)
+    for uid, (name, param) in enumerate(named):
+        itemsize = torch.empty((), dtype=param.dtype).element_size() if param.dtype.is_floating_point else 1
+        tile_rows = (tile_rows_for(name, param.shape, param.numel() * itemsize, options, world_size,
+                                   options.device_memory_limit, 0) if options.stage == 3 else None)
+        owner = None
+        if options.partition == "broadcast" and options.stage > 0:
+            owner = choose_owner(owned, world_size)
+            owned[owner] = owned.get(owner, 0) + param.numel()
+        plan = plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=uid)
+        plans.append(plan)
+        grad_in_ram = False
+        if plan.opt_tier == "nvme" and plan.local_numel and plan.local_numel * 4 <= grad_ram_left:
+            grad_in_ram, grad_ram_left = True, grad_ram_left - plan.local_numel * 4
+        for tier, kinds in _state_bytes(plan, param, grad_in_ram).items():
+            for kind, nbytes in kinds.items():
+                memory[tier][kind] += nbytes
+        moved = _traffic(plan, param, grad_in_ram, recompute)
+        read, write, collective = read + moved[0], write + moved[1], collective + moved[2]
+        swap_space += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
+        if plan.stage > 0 and plan.opt_tier != "device" and param.requires_grad and param.dtype.is_floating_point:
+            host_stepped += plan.local_numel
+    if saved is not None:
+        memory["device"]["activations"] = saved
+    pinned = dict.fromkeys(("parameters", "activations", "early_optimizer"), 0)
+    offloaded = [p for p in plans if "nvme" in (p.param_tier, p.opt_tier)]  # (what reads and writes swap)
+    if offloaded:
+        pinned["parameters"] = (parameter_pool_bytes(max(p.local_numel * 4 for p in offloaded))
+                                if options.pinned_bytes == "auto" else int(options.pinned_bytes))
+    early = [p for p in plans if p.step_in_backward and p.local_numel]
+    if early:
+        pinned["early_optimizer"] = early_step_pool_bytes(early)
+    step = None
+    if profile is not None and flops is not None:
+        step = _step_seconds(flops, recompute, read, write, collective, host_stepped, profile)
+    shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
+    shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
+    return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
+                      swap_space=swap_space, disk_read=read, disk_write=write, collective=collective,
+                      flops=flops, step=step)
+
+
+def _step_seconds(flops: int, recompute: bool, read: int, write: int, collective: int,
+                  host_stepped: int, profile: Any) -> dict[str, float | None]:
+    """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring)."""
+    compute = flops * (4 / 3 if recompute else 1) / profile.matmul_flops
+    disk = 0.0
+    if read or write:
+        disk = read / (profile.disk_read or profile.memory_bandwidth) + write / (
+            profile.disk_write or profile.memory_bandwidth)
+    # (No measured rate, e.g. planning world size 2 from one process: left out of the prediction, shown as -.)
+    wire = (collective / profile.collective if profile.collective else None) if collective else 0.0
+    optimizer = host_stepped * ADAM_BYTES_PER_ELEMENT / profile.memory_bandwidth
+    return {"compute": compute, "disk": disk, "collective": wire, "optimizer": optimizer,
+            "predicted": max(compute, disk, wire or 0.0) + optimizer}
+
+
+def _unique_named_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    seen, named = set(), []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in seen:
+            seen.add(id(param))
+            named.append((name, param))
+    return named
+
+
+def describe(predictions: Sequence[Prediction]) -> str:
+    """A table: one row per prediction (option set), bytes in MiB, seconds per step where predicted."""
+    def mib(nbytes: int) -> str:
+        return f"{nbytes / 2**20:,.1f}"
+
+    head = ("| options | device | cpu | nvme | pinned | host (zinf) | swap space | disk r/w per step | "
+            "collective per step | step (s): compute / disk / coll. / optim. -> predicted |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in predictions:
+        options = ", ".join(f"{k}={v}" for k, v in p.options.items() if k != "device") or "defaults"
+        step = "-"
+        if p.step is not None:
+            s = p.step
+            wire = "-" if s["collective"] is None else f"{s['collective']:.3f}"
+            step = (f"{s['compute']:.3f} / {s['disk']:.3f} / {wire} / {s['optimizer']:.3f} -> "
+                    f"**{s['predicted']:.3f}**")
+        lines.append(f"| {options} | {mib(p.tier_total('device'))} | {mib(p.tier_total('cpu'))} | "
+                     f"{mib(p.tier_total('nvme'))} | {mib(sum(p.pinned.values()))} | {mib(p.host_bytes())} | "
+                     f"{mib(p.swap_space)} | {mib(p.disk_read)} / {mib(p.disk_write)} | {mib(p.collective)} | "
+                     f"{step} |")
+    return "\n".join(lines)
+
