@@ -39,6 +39,7 @@ from .runtime.grad_hooks import claim_grad_hooks
 from .runtime.binding import active as binding_active
 from .api import RUNTIME
 from .runtime.store import DTYPES, ZinfStoreError
+from .runtime.tensor_parallel import local_of
 from .runtime.units import layout_of
 from .dump import GraphDumper
 from .lowering import compile_eager, compile_with_inductor, rewrite_aten_graph
@@ -277,7 +278,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             bind_backward(outputs, binding)
             if check_calls:
                 _agree_before_backward(outputs, captured)
-            RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), None)
+            RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), [local_of(value) for value in inputs], None)
             return outputs
         binding = bind(inputs)
         if not binding_active():
@@ -290,7 +291,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
         if check_calls:
             _agree_before_backward(outputs, captured)
         ledger = next(iter(binding.records.values())).ledger if binding.records else None
-        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
+        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), [local_of(value) for value in inputs], ledger)
         return outputs
 
     functools.update_wrapper(run, compiled)
