@@ -14,6 +14,7 @@ import torch
 from zinf_compiler.runtime.process import Runtime
 from zinf_compiler.runtime.store import ParamStore
 from zinf_compiler.runtime.tiers import TIERS
+from zinf_compiler import tensor_parallel
 
 # The process's runtime (runtime/process.py): the one instance, read only by the entry layer
 # (this file, backend.py, optim.py), which hands its parts to everything else.
@@ -52,7 +53,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, value in unwrap(model).state_dict(keep_vars=True).items():
         if id(value) not in full_by_id:
             record = RUNTIME.store.lookup(value)
-            full_by_id[id(value)] = RUNTIME.store.full_param(record) if record is not None else value.detach().clone()
+            full = RUNTIME.store.full_param(record) if record is not None else value.detach().clone()
+            full_by_id[id(value)] = tensor_parallel.full_tensor(value, full)  # (SPIKE, issue 37: whole over tp)
         state[name] = full_by_id[id(value)]
     return state
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import materialize as materializing
+from . import tensor_parallel
 from .adoption import adopt, model_mesh, plan_offload
 from .context import CapturedGraph
 from .cost_model import CostModel, agreed_free_bytes, is_profiled, profile_machine
@@ -39,7 +40,6 @@ from .runtime.grad_hooks import claim_grad_hooks
 from .runtime.binding import active as binding_active
 from .api import RUNTIME
 from .runtime.store import DTYPES, ZinfStoreError
-from .runtime.tensor_parallel import local_of
 from .runtime.units import layout_of
 from .dump import GraphDumper
 from .lowering import compile_eager, compile_with_inductor, rewrite_aten_graph
@@ -90,6 +90,8 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
         torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # clipping, model.zero_grad() and torch optimizers must see the shards
         _check_materialized(captured)
+        tensor_parallel.check_params(captured.param_tensors, {p: captured.inputs[p].name for p in captured.param_tensors},
+                                     captured.mesh)  # SPIKE (issue 37)
         from zinf_compiler.passes import tile as tile_pass
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
@@ -278,7 +280,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             bind_backward(outputs, binding)
             if check_calls:
                 _agree_before_backward(outputs, captured)
-            RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), [local_of(value) for value in inputs], None)
+            RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), None)
             return outputs
         binding = bind(inputs)
         if not binding_active():
@@ -291,7 +293,7 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
         if check_calls:
             _agree_before_backward(outputs, captured)
         ledger = next(iter(binding.records.values())).ledger if binding.records else None
-        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), [local_of(value) for value in inputs], ledger)
+        RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), ledger)
         return outputs
 
     functools.update_wrapper(run, compiled)

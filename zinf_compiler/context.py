@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .module_paths import ModuleBlocks, module_path_from_source
-from .runtime.tensor_parallel import flat_width, local_of
+from .tensor_parallel import flat_width, local_of
 from .options import ZinfOptions
 
 _graph_ids = itertools.count()

@@ -43,20 +43,45 @@ def batch_of(dp_rank: int, width: int):
     return torch.randn(8, width)
 
 
+LR = 0.05
+
+
 def eager_run(mesh, width, steps):
+    """The reference: the TP model in eager, its gradients averaged over dp by hand, plain SGD."""
     model = build(mesh, width)
     x = batch_of(mesh["dp"].get_local_rank(), width)
-    losses, grads = [], {}
+    losses = []
     for _ in range(steps):
         loss = model(x).pow(2).mean()
         loss.backward()
         losses.append(loss.item())
-    for name, param in model.named_parameters():
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        grad = grad.clone()
-        dist.all_reduce(grad, group=mesh["dp"].get_group())
-        grads[name] = (grad / mesh["dp"].size()).tolist()
-    return losses, grads
+        with torch.no_grad():
+            for param in model.parameters():
+                grad = param.grad.to_local().clone()
+                dist.all_reduce(grad, group=mesh["dp"].get_group())
+                param.to_local().sub_(LR * grad / mesh["dp"].size())
+                param.grad = None
+    full = {name: param.full_tensor().tolist() for name, param in model.named_parameters()}
+    return losses, {name: param.to_local().tolist() for name, param in model.named_parameters()}, full
+
+
+def save_and_load(root, mesh, width, model, compiled, optimizer, options, x):
+    """Probe: zinf.save at tp 2 x dp 2, zinf.load into a fresh localized copy at the same layout; the
+    next step's loss of each (equal if the checkpoint kept every tp rank's slice apart)."""
+    import zinf_compiler as zinf
+    from zinf_compiler.tensor_parallel import localize
+
+    path = os.path.join(root, "ckpt")
+    zinf.save(path, model, optimizer)
+    copy = build(mesh, width)
+    torch.manual_seed(1)
+    for param in copy.parameters():  # other values than the saved ones, so that the load must set them
+        param.to_local().normal_()
+    localize(copy)
+    copy_compiled = torch.compile(copy, backend="zinf", options=options)
+    copy_optimizer = zinf.optim.SGD(copy.parameters(), lr=LR)
+    zinf.load(path, copy, copy_optimizer)
+    return {"original": compiled(x).pow(2).mean().item(), "loaded": copy_compiled(x).pow(2).mean().item()}
 
 
 def main():
@@ -64,22 +89,36 @@ def main():
     width = 8
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     result = {"rank": rank}
-    result["eager_losses"], result["eager_grads"] = eager_run(mesh, width, args.get("steps", 1))
+    result["eager_losses"], result["eager_params"], result["eager_full"] = eager_run(mesh, width, args.get("steps", 1))
     model = build(mesh, width)
+    if args.get("localize"):
+        from zinf_compiler.tensor_parallel import localize
+
+        localize(model)
     zinf_mesh = {"mesh": mesh, "dp": mesh["dp"]}[args["mesh"]]
-    options = {"stage": args.get("stage", 3), "mesh": zinf_mesh, "lower": args.get("lower", "eager")}
+    options = {"stage": 3, "mesh": zinf_mesh, "lower": "eager", **args.get("options", {})}
     try:
+        if "nvme" in (options.get("offload_param"), options.get("offload_optimizer")):
+            options["nvme_path"] = os.path.join(os.environ["TMPDIR"], f"swap{rank}")
+            os.makedirs(options["nvme_path"], exist_ok=True)
         compiled = torch.compile(model, backend="zinf", options=options)
         x = batch_of(mesh["dp"].get_local_rank(), width)
+        import zinf_compiler as zinf
+
+        optimizer = zinf.optim.SGD(model.parameters(), lr=LR)
         losses = []
         for _ in range(args.get("steps", 1)):
             loss = compiled(x).pow(2).mean()
             loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
             losses.append(loss.item())
         result["zinf_losses"] = losses
-        import zinf_compiler as zinf
-        with zinf.gathered(model):  # full grads? record local shards instead
-            pass
+        with zinf.gathered(model):  # each rank's TP-local parameters, whole over dp
+            result["zinf_params"] = {name: param.tolist() for name, param in model.named_parameters()}
+        result["zinf_full"] = {name: value.tolist() for name, value in zinf.full_state_dict(model).items()}
+        if args.get("checkpoint"):
+            result["checkpoint"] = save_and_load(args["checkpoint"], mesh, width, model, compiled, optimizer, options, x)
     except Exception as err:  # the spike records the failure
         result["error"] = f"{type(err).__name__}: {err}"[:3000]
         result["trace"] = traceback.format_exc()[-6000:]
