@@ -99,7 +99,7 @@ def check_params(params: dict, names: dict, mesh) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    sharded_over = set(dist.get_process_group_ranks(mesh.everyone.group or dist.group.WORLD))
+    sharded_over = None
     for position, param in params.items():
         if isinstance(param, DTensor):
             raise ValueError(
@@ -108,6 +108,8 @@ def check_params(params: dict, names: dict, mesh) -> None:
         layout = getattr(param, "_zinf_tp_layout", None)
         if layout is None:
             continue
+        if sharded_over is None:  # (only a tensor-parallel model reaches here: torch.distributed is up)
+            sharded_over = set(dist.get_process_group_ranks(mesh.everyone.group or dist.group.WORLD))
         tp_ranks = set(dist.get_process_group_ranks(layout.mesh.get_group()))
         if len(tp_ranks & sharded_over) > 1:
             raise ValueError(
