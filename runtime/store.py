@@ -29,6 +29,7 @@ from .comm import Comm, MeshComm
 from .host_memory import available_bytes, ranks_on_node
 from .swap_folders import FolderWatch
 from .swap_layout import SUB_GROUP_NUMEL
+from .tensor_parallel import local_of
 from .pinned import PinnedPool
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
@@ -209,6 +210,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         accounted bytes go with it (:meth:`_forget`).
         """
         mesh = mesh or self.comm.mesh()
+        requires_grad = param.requires_grad  # (a DTensor's: its local tensor never requires grad)
+        param = local_of(param)
         settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier, mesh.describe())
         with self._lock:
             record = self.lookup(param)
@@ -239,7 +242,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, device=param.device,
                               stage=stage, partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
                               opt_tier=opt_tier, world_size=world_size, rank=rank, owner=owner, tile_rows=tile_rows,
-                              bucket_bytes=bucket_bytes, requires_grad=param.requires_grad,
+                              bucket_bytes=bucket_bytes, requires_grad=requires_grad,
                               from_file=read_local is not None, step_in_backward=step_in_backward,
                               nvme_copies=nvme_copies)
             if owner is not None:
@@ -356,7 +359,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         return local_value_chunks(record, self, chunk_numel)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
-        """The record of ``param`` (this very tensor object, alive), or None if it was never adopted."""
+        """The record of ``param`` (this very tensor object, alive; a DTensor: its local tensor), or None if it
+        was never adopted."""
+        param = local_of(param)
         ref = self._by_param.get(id(param))
         if ref is None or ref() is not param:
             return None

@@ -63,6 +63,8 @@ class CapturedGraph:
     # (``primals_3``) -> the Dynamo input it carries.  The backward graph's
     # saved primals keep these names, which is how it finds its parameters.
     input_by_placeholder: dict[str, InputInfo] = dataclasses.field(default_factory=dict)
+    # Dynamo positions of DTensor inputs, which the graph takes as their local tensors (SPIKE, issue 37)
+    tp_slots: list[int] = dataclasses.field(default_factory=list)
     # Dynamo position -> rows per tile of a parameter the tile pass splits
     # (its layout in the store, fixed when the parameter was first adopted).
     tile_rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)

@@ -1,18 +1,20 @@
-"""Tensor-parallel models for zinf: DTensor parameters become plain parameters zinf can shard over "dp".
+"""Tensor-parallel models (torch's ``parallelize_module``: DTensor parameters) under zinf's dp sharding.
 
-SPIKE (issue 37, approach B; see /work/notes/tp_spike.md).  torch's ``parallelize_module`` leaves each
-parallelized parameter a DTensor on the "tp" mesh.  AOTAutograd hands a compiled graph a DTensor input
-as its local tensor, but rebuilds a DTensor gradient for it after backward, from a tensor: zinf's
-stage 2-3 backward reduces gradients into its shards and returns ``None`` there, which that wrapper
-cannot take.  So, as SimpleFSDP does for its own sharding, the parameter the module registers becomes
-a plain ``nn.Parameter`` holding the TP-local tensor, and the module's attribute of that name a
-property that rebuilds the DTensor (``DTensor.from_local``, no communication) on every read.  Dynamo
-traces the property: the graph takes the local tensor as a parameter (adopted, sharded over dp,
-gathered and released like any other), and the TP collectives of the DTensor ops stay in the graph as
-functional collectives.  The gradient of ``from_local`` is the local gradient in the parameter's
-placements (a Partial one all-reduced over tp first), which zinf then reduces over dp.
+SPIKE (issue 37; see /work/notes/tp_spike.md).  zinf shards each parameter's TP-local tensor over the
+data-parallel ranks (option mesh = ``mesh["dp"]``); the TP collectives stay in the graph as functional
+collectives.  AOTAutograd cannot be handed a DTensor parameter as such: it would rebuild a DTensor
+gradient from the ``None`` zinf's backward returns for a sharded parameter.  Two ways around it:
 
-:func:`localize` must run before ``torch.compile`` traces the model (after ``parallelize_module``).
+* A' (:func:`unwrap_dtensor_inputs`, the backend's default, stage 3 only): the backend rewrites Dynamo's
+  graph so each DTensor input becomes a plain input (its local tensor) followed by ``DTensor.from_local``;
+  each call passes a new alias of the local tensor (:func:`local_input`).  The user's parameters stay
+  DTensors; the store adopts and rests their local tensors (``runtime/tensor_parallel.local_of``).
+* B (:func:`localize`, before ``torch.compile``; stages 1-3): as SimpleFSDP does for its own sharding, the
+  parameter a module registers becomes a plain ``nn.Parameter`` holding the TP-local tensor, and the
+  module's attribute of that name a property that rebuilds the DTensor on every read.
+
+Either way the gradient of ``from_local`` is the local gradient in the parameter's placements (a Partial
+one all-reduced over tp first), which zinf then reduces over dp.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from .runtime.tensor_parallel import local_of  # noqa: F401 (context.py's, with flat_width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +40,6 @@ class TPLayout:
 def layouts_of(module: torch.nn.Module) -> dict[str, TPLayout]:
     """``module``'s own localized parameters by name (empty if :func:`localize` changed none)."""
     return getattr(module, "_zinf_tp_layouts", {})
-
-
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds ``tensor``'s values on this rank: a DTensor's local tensor, else ``tensor``."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def flat_width(tensor: torch.Tensor) -> int:
@@ -88,13 +85,13 @@ def localize(model: torch.nn.Module) -> dict[str, TPLayout]:
     return found
 
 
-def check_params(params: dict, names: dict, mesh) -> None:
+def check_params(params: dict, names: dict, mesh, stage: int) -> None:
     """Refuse, before adoption, what would train a tensor-parallel model wrongly.
 
     ``params``: Dynamo position -> parameter; ``names``: position -> its module path; ``mesh``: the
-    runtime MeshComm zinf shards over.  A DTensor parameter (not localized) cannot take zinf's ``None``
-    gradient; a localized one must not be sharded, nor broadcast at adoption, across its own tp ranks,
-    which hold different slices of it (silently wrong: every tp rank would train tp rank 0's slice).
+    runtime MeshComm zinf shards over; ``stage``: the ZeRO stage.  A tensor-parallel parameter (a DTensor, or a localized one) must
+    not be sharded, nor broadcast at adoption, across its own tp ranks, which hold different slices of it
+    (silently wrong: every tp rank would train tp rank 0's slice).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -102,10 +99,16 @@ def check_params(params: dict, names: dict, mesh) -> None:
     sharded_over = None
     for position, param in params.items():
         if isinstance(param, DTensor):
-            raise ValueError(
-                f"zinf: parameter {names[position]} is a DTensor (tensor parallel); call "
-                f"zinf_compiler.tensor_parallel.localize(model) after parallelize_module and before torch.compile")
-        layout = getattr(param, "_zinf_tp_layout", None)
+            if stage < 3:
+                # The graph takes a new alias of the local tensor at each call (local_input): at stages 1-2 the
+                # gradient autograd leaves on it never reaches zinf's optimizer (measured: losses constant).
+                raise ValueError(
+                    f"zinf: parameter {names[position]} is a DTensor (tensor parallel): stage {stage} does not "
+                    f"train it yet; use stage 3, or call zinf_compiler.tensor_parallel.localize(model) after "
+                    f"parallelize_module and before torch.compile")
+            layout = TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+        else:
+            layout = getattr(param, "_zinf_tp_layout", None)
         if layout is None:
             continue
         if sharded_over is None:  # (only a tensor-parallel model reaches here: torch.distributed is up)
@@ -120,10 +123,14 @@ def check_params(params: dict, names: dict, mesh) -> None:
 def full_tensor(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The whole tensor of ``param`` given ``value``, its TP-local tensor (already whole over dp): gathered
     over the tp ranks (a collective on them) for a localized parameter, ``value`` for any other."""
-    layout = getattr(param, "_zinf_tp_layout", None)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        layout = TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+    else:
+        layout = getattr(param, "_zinf_tp_layout", None)
     if layout is None:
         return value
-    from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(value, layout.mesh, layout.placements, run_check=False, shape=layout.shape,
                               stride=layout.stride).full_tensor()
@@ -138,3 +145,34 @@ def _dtensor_reader(name: str):
                                   shape=layout.shape, stride=layout.stride)
 
     return read
+
+
+def unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, list[int]]:
+    """Approach A': make each DTensor input of Dynamo's ``gm`` a plain input (its local tensor) followed by
+    ``DTensor.from_local``, so AOTAutograd sees no tensor subclass input, and never rebuilds a DTensor
+    gradient from the ``None`` zinf's backward returns for a sharded parameter.  Returns the example inputs
+    for AOTAutograd and the rewritten positions (their callers pass :func:`local_input` there)."""
+    from torch.distributed.tensor import DTensor
+
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    inputs, positions = list(example_inputs), []
+    for position, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(example, DTensor):
+            continue
+        with gm.graph.inserting_after(node):
+            rebuilt = gm.graph.call_function(
+                DTensor.from_local, (node, example.device_mesh, tuple(example.placements)),
+                {"run_check": False, "shape": example.shape, "stride": example.stride()})
+        node.replace_all_uses_with(rebuilt, delete_user_cb=lambda user: user is not rebuilt)
+        node.meta["example_value"] = example._local_tensor
+        inputs[position] = local_input(example)
+        positions.append(position)
+    if positions:
+        gm.recompile()
+    return inputs, positions
+
+
+def local_input(param: torch.Tensor) -> torch.Tensor:
+    """What a rewritten graph takes for DTensor ``param``: a new alias of its local tensor that requires
+    grad as ``param`` does (autograd must run the graph's backward, where zinf reduces the gradient)."""
+    return param._local_tensor.detach().requires_grad_(param.requires_grad)

@@ -1,7 +1,8 @@
 """Tensor parallelism x zinf's data-parallel sharding (issue 37 spike): tp 2 x dp 2 at world 4 on gloo.
 
-A model passed through torch's ``parallelize_module`` (fc1 colwise, fc2 rowwise) and then through
-``zinf_compiler.tensor_parallel.localize`` trains at stage 3 over ``mesh["dp"]`` equal to eager TP with
+A model passed through torch's ``parallelize_module`` (fc1 colwise, fc2 rowwise), as it is (DTensor
+parameters, the backend's graph rewrite) or through ``zinf_compiler.tensor_parallel.localize``, trains at
+stage 3 over ``mesh["dp"]`` equal to eager TP with
 its gradients averaged over dp (3 SGD steps: losses, every rank's TP-local parameters, and the whole
 tensors of ``zinf.full_state_dict``).
 """
@@ -27,23 +28,30 @@ def _assert_equals_eager(results):
     assert results[0]["eager_losses"] == results[1]["eager_losses"] != results[2]["eager_losses"]
 
 
-def test_tp_by_dp_stage3_equals_eager():
-    _assert_equals_eager(run_ranks(4, "tp_worker", {"mesh": "dp", "localize": True, "steps": 3}, timeout=300))
+@pytest.mark.parametrize("localize", [False, True])
+def test_tp_by_dp_stage3_equals_eager(localize):
+    _assert_equals_eager(run_ranks(4, "tp_worker", {"mesh": "dp", "localize": localize, "steps": 3}, timeout=300))
+
+
+@pytest.mark.slow  # world 4, one more run; stage 3 above covers the shared path
+def test_tp_by_dp_stage1_localized_equals_eager():
+    _assert_equals_eager(run_ranks(4, "tp_worker", {"mesh": "dp", "localize": True, "steps": 3,
+                                                   "options": {"stage": 1}}, timeout=300))
 
 
 @pytest.mark.slow  # Inductor at world 4 on 2 cores: about a minute
 def test_tp_by_dp_stage3_inductor_cpu_offload_equals_eager():
     options = {"lower": "inductor", "offload_param": "cpu", "offload_optimizer": "cpu"}
-    _assert_equals_eager(run_ranks(4, "tp_worker", {"mesh": "dp", "localize": True, "steps": 3, "options": options},
+    _assert_equals_eager(run_ranks(4, "tp_worker", {"mesh": "dp", "localize": False, "steps": 3, "options": options},
                                    timeout=300))
 
 
 def test_tp_refusals():
-    """A DTensor parameter zinf cannot train, and a mesh that spans tp ranks (which would silently train
-    tp rank 0's slice everywhere), are clear errors on every rank."""
-    for result in run_ranks(4, "tp_worker", {"mesh": "dp", "localize": False}, timeout=300):
-        assert "is a DTensor (tensor parallel); call zinf_compiler.tensor_parallel.localize" in result["error"]
-    for result in run_ranks(4, "tp_worker", {"mesh": "mesh", "localize": True}, timeout=300):
+    """A DTensor parameter at stage 1-2 (its gradient would be lost: losses constant), and a mesh that spans
+    tp ranks (which would silently train tp rank 0's slice everywhere), are clear errors on every rank."""
+    for result in run_ranks(4, "tp_worker", {"mesh": "dp", "localize": False, "options": {"stage": 2}}, timeout=300):
+        assert "is a DTensor (tensor parallel): stage 2 does not train it yet" in result["error"]
+    for result in run_ranks(4, "tp_worker", {"mesh": "mesh", "localize": False}, timeout=300):
         assert "hold different tensor-parallel slices" in result["error"]
 
 

@@ -115,7 +115,8 @@ def main():
             losses.append(loss.item())
         result["zinf_losses"] = losses
         with zinf.gathered(model):  # each rank's TP-local parameters, whole over dp
-            result["zinf_params"] = {name: param.tolist() for name, param in model.named_parameters()}
+            result["zinf_params"] = {name: (param.to_local() if isinstance(param, DTensor) else param).tolist()
+                                     for name, param in model.named_parameters()}
         result["zinf_full"] = {name: value.tolist() for name, value in zinf.full_state_dict(model).items()}
         if args.get("checkpoint"):
             result["checkpoint"] = save_and_load(args["checkpoint"], mesh, width, model, compiled, optimizer, options, x)
