@@ -118,6 +118,11 @@ def main():
             result["zinf_params"] = {name: (param.to_local() if isinstance(param, DTensor) else param).tolist()
                                      for name, param in model.named_parameters()}
         result["zinf_full"] = {name: value.tolist() for name, value in zinf.full_state_dict(model).items()}
+        try:  # (probe: what memory_report makes of this rank's states)
+            result["memory_report"] = {tier: kinds for tier, kinds in zinf.memory_report(model).items()
+                                       if tier in ("device", "cpu")}
+        except Exception as err:
+            result["memory_report"] = f"{type(err).__name__}: {err}"
         if args.get("checkpoint"):
             result["checkpoint"] = save_and_load(args["checkpoint"], mesh, width, model, compiled, optimizer, options, x)
     except Exception as err:  # the spike records the failure
