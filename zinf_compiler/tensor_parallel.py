@@ -37,6 +37,15 @@ class TPLayout:
     stride: tuple[int, ...]
 
 
+def layout_of(param: torch.Tensor) -> TPLayout | None:
+    """``param``'s TP layout: a DTensor's own, a localized parameter's recorded one, None for any other."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+    return getattr(param, "_zinf_tp_layout", None)
+
+
 def layouts_of(module: torch.nn.Module) -> dict[str, TPLayout]:
     """``module``'s own localized parameters by name (empty if :func:`localize` changed none)."""
     return getattr(module, "_zinf_tp_layouts", {})
@@ -72,7 +81,7 @@ def localize(model: torch.nn.Module) -> dict[str, TPLayout]:
             dtensor = module._parameters[name]
             layouts[name] = TPLayout(dtensor.device_mesh, tuple(dtensor.placements), dtensor.shape, dtensor.stride())
             local = torch.nn.Parameter(dtensor.to_local().detach().clone(), requires_grad=dtensor.requires_grad)
-            local._zinf_tp_layout = layouts[name]  # (read by check_mesh: zinf sees the parameter, not its module)
+            local._zinf_tp_layout = layouts[name]  # (read by layout_of: zinf sees the parameter, not its module)
             module._parameters[name] = local
             found[f"{path}.{name}" if path else name] = layouts[name]
         module._zinf_tp_layouts = layouts
@@ -89,9 +98,9 @@ def check_params(params: dict, names: dict, mesh, stage: int) -> None:
     """Refuse, before adoption, what would train a tensor-parallel model wrongly.
 
     ``params``: Dynamo position -> parameter; ``names``: position -> its module path; ``mesh``: the
-    runtime MeshComm zinf shards over; ``stage``: the ZeRO stage.  A tensor-parallel parameter (a DTensor, or a localized one) must
-    not be sharded, nor broadcast at adoption, across its own tp ranks, which hold different slices of it
-    (silently wrong: every tp rank would train tp rank 0's slice).
+    runtime MeshComm zinf shards over; ``stage``: the ZeRO stage.  A tensor-parallel parameter (a DTensor,
+    or a localized one) must not be sharded, nor broadcast at adoption, across its own tp ranks, which hold
+    different slices of it (silently wrong: every tp rank would train tp rank 0's slice).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -106,9 +115,7 @@ def check_params(params: dict, names: dict, mesh, stage: int) -> None:
                     f"zinf: parameter {names[position]} is a DTensor (tensor parallel): stage {stage} does not "
                     f"train it yet; use stage 3, or call zinf_compiler.tensor_parallel.localize(model) after "
                     f"parallelize_module and before torch.compile")
-            layout = TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-        else:
-            layout = getattr(param, "_zinf_tp_layout", None)
+        layout = layout_of(param)
         if layout is None:
             continue
         if sharded_over is None:  # (only a tensor-parallel model reaches here: torch.distributed is up)
@@ -122,16 +129,12 @@ def check_params(params: dict, names: dict, mesh, stage: int) -> None:
 
 def full_tensor(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The whole tensor of ``param`` given ``value``, its TP-local tensor (already whole over dp): gathered
-    over the tp ranks (a collective on them) for a localized parameter, ``value`` for any other."""
+    over the tp ranks (a collective on them) for a tensor-parallel parameter, ``value`` for any other."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(param, DTensor):
-        layout = TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-    else:
-        layout = getattr(param, "_zinf_tp_layout", None)
+    layout = layout_of(param)
     if layout is None:
         return value
-
     return DTensor.from_local(value, layout.mesh, layout.placements, run_check=False, shape=layout.shape,
                               stride=layout.stride).full_tensor()
 
