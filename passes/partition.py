@@ -145,20 +145,20 @@ def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles
 def _reduce_gradients(graph: torch.fx.Graph, ctx: GraphContext) -> list[int]:
     output = output_node(graph)
     grads = list(output.args[0])
-    inputs = ctx.captured.inputs
-    offset = len(grads) - len(inputs)  # leading outputs for effect tokens, if any
+    flat_inputs = ctx.captured.flat_inputs()
+    # Leading outputs for effect tokens, if any; a DTensor input's gradient is its local tensor's and its mesh.
+    offset = len(grads) - sum(info.flat_width for info in ctx.captured.inputs)
     if offset < 0:
         raise RuntimeError(
             f"zinf partition: backward graph {ctx.graph_id} returns {len(grads)} gradients for "
-            f"{len(inputs)} inputs; cannot match gradients to parameters"
+            f"{len(flat_inputs)} inputs; cannot match gradients to parameters"
         )
     reduced = []
     whole = {}  # slot -> its gradient node, reduced in buckets below
-    for index, grad in enumerate(grads):
-        if index < offset or not isinstance(grad, torch.fx.Node):
-            continue
-        info = inputs[index - offset]
-        if info.kind != "param":
+    for start, info in flat_inputs:
+        index = offset + start
+        grad = grads[index]
+        if not isinstance(grad, torch.fx.Node) or info.kind != "param":
             continue
         slot = info.position
         if ctx.options.stage == 0:

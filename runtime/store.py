@@ -31,6 +31,7 @@ from .swap_folders import FolderWatch
 from .pool_sizes import auto_grad_ram_bytes
 from .swap_layout import SUB_GROUP_NUMEL
 from .pinned import PinnedMemory, PinnedPool
+from .tensor_parallel import local_of
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
 from .model_group import ModelGroup
@@ -207,6 +208,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         accounted bytes go with it (:meth:`_forget`).
         """
         mesh = mesh or self.comm.mesh()
+        requires_grad = param.requires_grad  # (a DTensor's: its local tensor never requires grad)
+        param = local_of(param)
         settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier, mesh.describe())
         with self._lock:
             record = self.lookup(param)
@@ -239,7 +242,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, device=param.device,
                               stage=stage, partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
                               opt_tier=opt_tier, world_size=world_size, rank=rank, owner=owner, tile_rows=tile_rows,
-                              bucket_bytes=bucket_bytes, requires_grad=param.requires_grad,
+                              bucket_bytes=bucket_bytes, requires_grad=requires_grad,
                               from_file=read_local is not None, step_in_backward=step_in_backward,
                               nvme_copies=nvme_copies)
             if owner is not None:
@@ -357,7 +360,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         return local_value_chunks(record, self, chunk_numel)
 
     def lookup(self, param: torch.Tensor) -> ParamRecord | None:
-        """The record of ``param`` (this very tensor object, alive), or None if it was never adopted."""
+        """The record of ``param`` (this very tensor object, alive; a DTensor: its local tensor), or None if it
+        was never adopted."""
+        param = local_of(param)
         ref = self._by_param.get(id(param))
         if ref is None or ref() is not param:
             return None

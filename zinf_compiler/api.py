@@ -13,7 +13,9 @@ import torch
 
 from zinf_compiler.runtime.process import Runtime
 from zinf_compiler.runtime.store import ParamStore
+from zinf_compiler.runtime.tensor_parallel import local_of
 from zinf_compiler.runtime.tiers import TIERS
+from zinf_compiler import tensor_parallel
 
 # The process's runtime (runtime/process.py): the one instance, read only by the entry layer
 # (this file, backend.py, optim.py), which hands its parts to everything else.
@@ -52,7 +54,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, value in unwrap(model).state_dict(keep_vars=True).items():
         if id(value) not in full_by_id:
             record = RUNTIME.store.lookup(value)
-            full_by_id[id(value)] = RUNTIME.store.full_param(record) if record is not None else value.detach().clone()
+            full = RUNTIME.store.full_param(record) if record is not None else value.detach().clone()
+            full_by_id[id(value)] = tensor_parallel.full_tensor(value, full)  # (a DTensor: whole over tp too)
         state[name] = full_by_id[id(value)]
     return state
 
@@ -112,9 +115,11 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     report = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     params = _unique_params(model)
     for param in params:
-        report["device"]["params"] += param.untyped_storage().nbytes()
+        held = local_of(param)  # (a DTensor's bytes on this rank are its local tensor's)
+        report["device"]["params"] += held.untyped_storage().nbytes()
         if param.grad is not None:
-            report["device"]["grads"] += param.grad.numel() * param.grad.element_size()
+            grad = local_of(param.grad)
+            report["device"]["grads"] += grad.numel() * grad.element_size()
         record = RUNTIME.store.lookup(param)
         if record is None:
             continue

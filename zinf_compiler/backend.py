@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import materialize as materializing
+from . import tensor_parallel
 from .adoption import adopt, model_mesh, plan_offload
 from .context import CapturedGraph
 from .cost_model import CostModel, agreed_free_bytes, is_profiled, profile_machine
@@ -75,7 +76,13 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     the callable Dynamo runs in its place, which binds each call's own parameters (see :func:`_run_time_wrapper`).
     """
     RUNTIME.store.collect()
+    # Tensor parallel (zinf_compiler/tensor_parallel.py): DTensor inputs enter AOTAutograd as their local
+    # tensors; a DTensor parameter is still adopted (and bound at each call) through the DTensor itself.
+    dtensors = list(example_inputs)
+    example_inputs, tp_slots = tensor_parallel.unwrap_dtensor_inputs(gm, example_inputs)
     captured = CapturedGraph.from_dynamo(gm, example_inputs, options)
+    captured.tp_slots = tp_slots
+    captured.param_tensors.update({slot: dtensors[slot] for slot in tp_slots if slot in captured.param_tensors})
     captured.mesh = model_mesh(options, RUNTIME.store.comm)
     captured.world_size = captured.mesh.shard.world_size
     # Collectives of no model (stage 0's all-reduce, checkpoints' exchanges): the last compile's setting;
@@ -89,6 +96,8 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
         torch_patches.install(RUNTIME.store, RUNTIME.optimizers)  # clipping, model.zero_grad() and torch optimizers must see the shards
         _check_materialized(captured)
+        tensor_parallel.check_params(captured.param_tensors, {p: captured.inputs[p].name for p in captured.param_tensors},
+                                     captured.mesh, options.stage)
         from zinf_compiler.passes import tile as tile_pass
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
@@ -281,6 +290,11 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             RUNTIME.activations.count_saved(compiled_backward_nodes(outputs), list(inputs), None)
             return outputs
         binding = bind(inputs)
+        if captured.tp_slots:
+            inputs = list(inputs)
+            for slot in captured.tp_slots:
+                inputs[slot] = tensor_parallel.local_input(inputs[slot])
+            args = (inputs,) if boxed else tuple(inputs)
         if not binding_active():
             # Transfers left in flight by a graph that raised half way (forward or
             # backward) would pair with this call's waits: drop them first.

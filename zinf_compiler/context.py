@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .module_paths import ModuleBlocks, module_path_from_source
+from .tensor_parallel import flat_width, local_of
 from .options import ZinfOptions
 
 _graph_ids = itertools.count()
@@ -32,6 +33,9 @@ class InputInfo:
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
     requires_grad: bool
+    # ATen placeholders AOTAutograd flattens it into: 1, or a tensor subclass's inner tensors and opaque
+    # objects (a DTensor: its local tensor and its device mesh, 2); its ATen placeholder is the first.
+    flat_width: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +63,8 @@ class CapturedGraph:
     # (``primals_3``) -> the Dynamo input it carries.  The backward graph's
     # saved primals keep these names, which is how it finds its parameters.
     input_by_placeholder: dict[str, InputInfo] = dataclasses.field(default_factory=dict)
+    # Dynamo positions of DTensor inputs, which the graph takes as their local tensors
+    tp_slots: list[int] = dataclasses.field(default_factory=list)
     # Dynamo position -> rows per tile of a parameter the tile pass splits
     # (its layout in the store, fixed when the parameter was first adopted).
     tile_rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -116,20 +122,32 @@ class CapturedGraph:
             else:
                 kind = "other"
             is_tensor = isinstance(example, torch.Tensor)
+            local = local_of(example) if is_tensor else None  # (a DTensor's ATen placeholder is its local tensor)
             inputs.append(
                 InputInfo(
                     position=position,
                     name=module_path_from_source(source_name),
                     kind=kind,
-                    shape=tuple(example.shape) if is_tensor else None,
-                    dtype=example.dtype if is_tensor else None,
+                    shape=tuple(local.shape) if is_tensor else None,
+                    dtype=local.dtype if is_tensor else None,
                     requires_grad=bool(is_tensor and example.requires_grad),
+                    flat_width=flat_width(example) if is_tensor else 1,
                 )
             )
             if kind == "param" and is_tensor:
                 param_tensors[position] = example
         return cls(graph_id=graph_id, options=options, inputs=inputs, param_tensors=param_tensors,
                    module_blocks=ModuleBlocks.from_graph(gm))
+
+    def flat_inputs(self) -> list[tuple[int, InputInfo]]:
+        """Each Dynamo input with the index of its first ATen placeholder (and, in the backward graph, of its
+        gradient output), counted from the first one after any effect tokens.  A tensor subclass input (a
+        DTensor) takes :attr:`InputInfo.flat_width` of them, its local tensor first."""
+        flat, index = [], 0
+        for info in self.inputs:
+            flat.append((index, info))
+            index += info.flat_width
+        return flat
 
     @property
     def params(self) -> list[InputInfo]:

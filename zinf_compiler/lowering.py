@@ -147,7 +147,7 @@ def _param_placeholders(captured: CapturedGraph, aten_gm: torch.fx.GraphModule, 
     """
     placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
     if kind != "backward":
-        leading = len(placeholders) - len(captured.inputs)
+        leading = len(placeholders) - sum(info.flat_width for info in captured.inputs)
         tracing = torch._guards.TracingContext.try_get()
         metadata = getattr(tracing, "fw_metadata", None) if tracing is not None else None
         tokens = len(getattr(metadata, "tokens", None) or ())
@@ -156,7 +156,9 @@ def _param_placeholders(captured: CapturedGraph, aten_gm: torch.fx.GraphModule, 
                 f"zinf: graph {captured.graph_id} {kind} has {len(placeholders)} inputs for "
                 f"{len(captured.inputs)} Dynamo inputs; cannot identify its parameters"
             )
-        for info, node in zip(captured.inputs, placeholders[tokens:]):
+        for info, node in zip(captured.inputs, _dynamo_input_placeholders(placeholders, tokens, captured)):
+            if node is None:
+                continue
             value = node.meta.get("val")
             # Parameters only: their shapes are static, while comparing a user input's
             # symbolic sizes would add a guard that specializes dynamic shapes.
@@ -172,3 +174,11 @@ def _param_placeholders(captured: CapturedGraph, aten_gm: torch.fx.GraphModule, 
         for node in placeholders
         if node.name in captured.input_by_placeholder and captured.input_by_placeholder[node.name].kind == "param"
     }
+
+
+
+def _dynamo_input_placeholders(placeholders: list, tokens: int, captured: CapturedGraph) -> list:
+    """The forward graph's placeholder of each Dynamo input, in Dynamo order: after the effect tokens, one
+    each, or a tensor subclass's first (a DTensor's local tensor; see :meth:`CapturedGraph.flat_inputs`)."""
+    return [placeholders[tokens + start] if tokens + start < len(placeholders) else None
+            for start, _ in captured.flat_inputs()]

@@ -78,6 +78,12 @@ class Prediction:
         return on_host
 
 
+    def peak_rss(self, process_bytes: int) -> int:
+        """The rank's predicted peak RSS: ``process_bytes`` (the process before the model: Python, torch and
+        zinf imported, as :func:`process_rss` measures it) plus :meth:`host_bytes`."""
+        return process_bytes + self.host_bytes()
+
+
 def _state_bytes(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool) -> dict[str, dict[str, int]]:
     """The bytes one parameter puts on each tier, by kind, after backward (memory_report's rules)."""
     memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
@@ -185,12 +191,15 @@ def _a_loss(out: Any) -> torch.Tensor:
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
-         world_size: int | None = None, profile: Any = None) -> Prediction:
+         world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None) -> Prediction:
     """Predict, for ``options`` at ``world_size`` ranks (default: the process group's, else 1), what the
     rank that holds the most keeps on each tier and moves per step (see the module docstring).
 
     ``example_inputs``: one batch (positional arguments of the model); without it activations, FLOPs and
-    the step's time are not predicted.  ``profile``: a
+    the step's time are not predicted.  ``ranks_per_node``: ranks sharing one machine's disk and memory
+    bandwidth (default: every rank, one machine); ``profile``'s rates are taken as one rank's share of
+    compute (measure it with the threads a rank will have) and as the whole machine's disk and memory
+    bandwidth.  ``profile``: a
     :class:`~zinf_compiler.cost_model.MachineProfile` for the step's time (None: no time predicted).
     """
     parsed = parse_options(dict(options or {}))
@@ -202,7 +211,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
         flops, saved = _fake_run(model, example_inputs)
     best = None
     for rank in range(world_size):
-        prediction = _plan_rank(named, parsed, options or {}, world_size, rank, saved, flops, profile)
+        prediction = _plan_rank(named, parsed, options or {}, world_size, rank, saved, flops, profile,
+                                ranks_per_node or world_size)
         if best is None or prediction.host_bytes() + prediction.tier_total("device") > \
                 best.host_bytes() + best.tier_total("device"):
             best = prediction
@@ -210,7 +220,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
 
 
 def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, asked: Mapping, world_size: int,
-               rank: int, saved: int | None, flops: int | None, profile: Any) -> Prediction:
+               rank: int, saved: int | None, flops: int | None, profile: Any, sharing: int) -> Prediction:
     memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     owned: dict[int, int] = {}
     grad_ram = options.nvme_grad_ram_bytes
@@ -253,7 +263,7 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
     if profile is not None and flops is not None:
-        step = _step_seconds(flops, recompute, read, write, collective, host_stepped, profile)
+        step = _step_seconds(flops, recompute, read, write, collective, host_stepped, profile, sharing)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
     return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
@@ -262,16 +272,17 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
 
 
 def _step_seconds(flops: int, recompute: bool, read: int, write: int, collective: int,
-                  host_stepped: int, profile: Any) -> dict[str, float | None]:
-    """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring)."""
+                  host_stepped: int, profile: Any, sharing: int) -> dict[str, float | None]:
+    """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring);
+    ``sharing`` ranks move their bytes through one disk and one memory bus at once."""
     compute = flops * (4 / 3 if recompute else 1) / profile.matmul_flops
     disk = 0.0
     if read or write:
-        disk = read / (profile.disk_read or profile.memory_bandwidth) + write / (
-            profile.disk_write or profile.memory_bandwidth)
+        disk = sharing * (read / (profile.disk_read or profile.memory_bandwidth) + write / (
+            profile.disk_write or profile.memory_bandwidth))
     # (No measured rate, e.g. planning world size 2 from one process: left out of the prediction, shown as -.)
     wire = (collective / profile.collective if profile.collective else None) if collective else 0.0
-    optimizer = host_stepped * ADAM_BYTES_PER_ELEMENT / profile.memory_bandwidth
+    optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.memory_bandwidth
     return {"compute": compute, "disk": disk, "collective": wire, "optimizer": optimizer,
             "predicted": max(compute, disk, wire or 0.0) + optimizer}
 

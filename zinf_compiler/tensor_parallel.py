@@ -1,0 +1,131 @@
+"""Tensor-parallel models (torch's ``parallelize_module``: DTensor parameters) under zinf's dp sharding.
+
+zinf shards each parameter's TP-local tensor over the data-parallel ranks (option ``mesh`` =
+``mesh["dp"]``); the TP collectives stay in the graph as functional collectives.  AOTAutograd cannot be
+handed a DTensor parameter as such: it would rebuild a DTensor gradient from the ``None`` zinf's backward
+returns for a sharded parameter.  So the backend rewrites Dynamo's graph (:func:`unwrap_dtensor_inputs`)
+so that each DTensor input becomes a plain input, its local tensor, followed by ``DTensor.from_local``;
+each call passes a new alias of the local tensor (:func:`local_input`).  The user's parameters stay
+DTensors; the store adopts and rests their local tensors (``runtime/tensor_parallel.local_of``).  The
+gradient of ``from_local`` is the local gradient in the parameter's placements (a Partial one
+all-reduced over tp first), which zinf then reduces over dp.
+
+Stage 3 only, for now: at stages 1-2 the gradient autograd leaves on the call's alias never reaches the
+optimizer, so :func:`check_params` refuses them, as it refuses a mesh that spans tp ranks.  Checkpoints
+of a tp x dp model are refused by ``zinf.save`` (a mesh over every rank is needed).  Issue 37 has the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .runtime.tensor_parallel import local_of  # noqa: F401 (context.py imports it from here, with flat_width)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """How one parameter lies across the tensor-parallel ranks: what ``from_local`` needs, and what a full
+    state dict needs to rebuild the whole tensor."""
+
+    mesh: object  # the DeviceMesh of the tp dimension
+    placements: tuple
+    shape: torch.Size  # the whole (global) tensor's
+    stride: tuple[int, ...]
+
+
+def layout_of(param: torch.Tensor) -> TPLayout | None:
+    """``param``'s TP layout if it is a DTensor, else None."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+    return None
+
+
+def flat_width(tensor: torch.Tensor) -> int:
+    """How many graph inputs AOTAutograd flattens ``tensor`` into: 1 for a plain tensor; for a traceable
+    subclass (``__tensor_flatten__``), its inner tensors and opaque objects, recursively (a DTensor: its local
+    tensor and its device mesh, 2)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return 1
+    attrs, _ = tensor.__tensor_flatten__()
+    return sum(flat_width(inner) if isinstance(inner := getattr(tensor, attr), torch.Tensor) else 1 for attr in attrs)
+
+
+def check_params(params: dict, names: dict, mesh, stage: int) -> None:
+    """Refuse, before adoption, what would train a tensor-parallel model wrongly.
+
+    ``params``: Dynamo position -> parameter; ``names``: position -> its module path; ``mesh``: the
+    runtime MeshComm zinf shards over; ``stage``: the ZeRO stage.  A tensor-parallel parameter (a DTensor)
+    must not be sharded, nor broadcast at adoption, across its own tp ranks, which hold different slices of it (silently wrong: every tp rank would train tp rank 0's slice; a 2-D mesh
+    ``("dp", "tp")`` passed whole is read as replicate x shard, and would be).
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    sharded_over = None
+    for position, param in params.items():
+        if isinstance(param, DTensor):
+            if stage < 3:
+                # The graph takes a new alias of the local tensor at each call (local_input): at stages 1-2 the
+                # gradient autograd leaves on it never reaches zinf's optimizer (measured: losses constant).
+                raise ValueError(
+                    f"zinf: parameter {names[position]} is a DTensor (tensor parallel): stage {stage} does not "
+                    f"train it yet; use stage 3")
+        layout = layout_of(param)
+        if layout is None:
+            continue
+        if sharded_over is None:  # (only a tensor-parallel model reaches here: torch.distributed is up)
+            sharded_over = set(dist.get_process_group_ranks(mesh.everyone.group or dist.group.WORLD))
+        tp_ranks = set(dist.get_process_group_ranks(layout.mesh.get_group()))
+        if len(tp_ranks & sharded_over) > 1:
+            raise ValueError(
+                f"zinf: option mesh spans ranks {sorted(tp_ranks & sharded_over)}, which hold different tensor-"
+                f"parallel slices of {names[position]}; pass the data-parallel dimension (mesh[\"dp\"])")
+
+
+def full_tensor(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of ``param`` given ``value``, its TP-local tensor (already whole over dp): gathered
+    over the tp ranks (a collective on them) for a tensor-parallel parameter, ``value`` for any other."""
+    from torch.distributed.tensor import DTensor
+
+    layout = layout_of(param)
+    if layout is None:
+        return value
+    return DTensor.from_local(value, layout.mesh, layout.placements, run_check=False, shape=layout.shape,
+                              stride=layout.stride).full_tensor()
+
+
+def unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, list[int]]:
+    """Make each DTensor input of Dynamo's ``gm`` a plain input (its local tensor) followed by
+    ``DTensor.from_local``, so AOTAutograd sees no tensor subclass input, and never rebuilds a DTensor
+    gradient from the ``None`` zinf's backward returns for a sharded parameter.  Returns the example inputs
+    for AOTAutograd and the rewritten positions (their callers pass :func:`local_input` there)."""
+    from torch.distributed.tensor import DTensor
+
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    inputs, positions = list(example_inputs), []
+    for position, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(example, DTensor):
+            continue
+        with gm.graph.inserting_after(node):
+            rebuilt = gm.graph.call_function(
+                DTensor.from_local, (node, example.device_mesh, tuple(example.placements)),
+                {"run_check": False, "shape": example.shape, "stride": example.stride()})
+        node.replace_all_uses_with(rebuilt, delete_user_cb=lambda user: user is not rebuilt)
+        node.meta["example_value"] = example._local_tensor
+        inputs[position] = local_input(example)
+        positions.append(position)
+    if positions:
+        gm.recompile()
+    return inputs, positions
+
+
+def local_input(param: torch.Tensor) -> torch.Tensor:
+    """What a rewritten graph takes for DTensor ``param``: a new alias of its local tensor that requires
+    grad as ``param`` does (autograd must run the graph's backward, where zinf reduces the gradient)."""
+    return param._local_tensor.detach().requires_grad_(param.requires_grad)
