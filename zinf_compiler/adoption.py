@@ -10,10 +10,13 @@ process-wide runtime.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from . import ram_cache
 from .options import ZinfOptions
 from .runtime.aio import validate_folder
 from .runtime.param_plan import OPTIMIZER_STATES, plan_param
@@ -24,6 +27,10 @@ from .runtime.tiers import store_tier
 def model_mesh(options: ZinfOptions, comm):
     """The ranks a model with ``options`` shards over (option ``mesh``; default: every rank of ``comm``)."""
     return options.mesh or comm.mesh()
+
+
+# (param_tier, opt_tier) that plan_offload's RAM cache (option host_memory) chose for a parameter not yet adopted.
+_CACHED_TIERS = WeakIdKeyDictionary()
 
 
 def _store_settings(options: ZinfOptions) -> dict:
@@ -40,13 +47,30 @@ def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, til
     ``tile_rows``: the tile plan (:func:`zinf_compiler.tile_plan.tile_rows_for`), None for an untiled
     parameter; ``ledger`` and ``read_local`` as for ``ParamStore.adopt``.
     """
+    settings = _store_settings(options)
+    if options.host_memory is not None:
+        settings.update(_cached_tiers(store, param, settings))
     return store.adopt(param, name, tile_rows=tile_rows, ledger=ledger, read_local=read_local,
-                       grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **_store_settings(options))
+                       grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **settings)
+
+
+def _cached_tiers(store, param: torch.Tensor, settings: dict) -> dict:
+    """The tiers the RAM cache gave ``param``: chosen by :func:`plan_offload`, or, adopted before (by another
+    graph), its record's where the cache moved an nvme tier to the cpu."""
+    record = store.lookup(param)
+    if record is None:
+        param_tier, opt_tier = _CACHED_TIERS.get(param, (settings["param_tier"], settings["opt_tier"]))
+    else:
+        param_tier, opt_tier = (
+            held if (held, asked) == ("cpu", "nvme") else asked
+            for held, asked in ((record.param_tier, settings["param_tier"]), (record.opt_tier, settings["opt_tier"])))
+    return dict(param_tier=param_tier, opt_tier=opt_tier)
 
 
 def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]], options: ZinfOptions) -> None:
     """Before ``params`` (each with its tile rows) are adopted: configure the swap and pinned pool, check
-    nvme_path has room for their swap files (sized from their plans, as the store will lay them out)."""
+    nvme_path has room for their swap files (sized from their plans, as the store will lay them out); with
+    option host_memory, choose whose states the RAM cache keeps on the cpu tier (:mod:`.ram_cache`)."""
     store.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
                             options.aio_queue_depth, options.aio_threads, options.nvme_copies)
     if "nvme" not in (options.offload_param, options.offload_optimizer):
@@ -54,17 +78,46 @@ def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]
     shard = model_mesh(options, store.comm).shard
     settings = _store_settings(options)
     settings["param_dtype"] = DTYPES[options.param_dtype]
-    needed = 0
-    for param, tile_rows in params:
-        if store.lookup(param) is not None:
-            continue
+    new = [(param, tile_rows) for param, tile_rows in params if store.lookup(param) is None]
+    new = list({id(param): (param, tile_rows) for param, tile_rows in new}.values())  # (a tied one once)
+
+    def plan_of(param, tile_rows, **tiers):
         # A broadcast parameter's owner is chosen at adoption: count it as this rank's, the most it can hold.
-        plan = plan_param(uid=0, shape=param.shape, dtype=param.dtype, device=param.device, world_size=shard.world_size,
+        return plan_param(uid=0, shape=param.shape, dtype=param.dtype, device=param.device, world_size=shard.world_size,
                           rank=shard.rank, owner=shard.rank, tile_rows=tile_rows, requires_grad=param.requires_grad,
-                          nvme_copies=options.nvme_copies, **settings)
+                          nvme_copies=options.nvme_copies, **{**settings, **tiers})
+
+    plans = [plan_of(param, tile_rows) for param, tile_rows in new]
+    for plan in plans:
         store.plan_shards(plan.local_numel)
+    if options.host_memory is not None:
+        plans = _choose_cached(store, new, plans, options, plan_of)
+    needed = 0
+    for (param, tile_rows), plan in zip(new, plans):
         if plan.param_tier == "nvme" and not plan.params_in_master:  # (else its reads go to the master's files)
             needed += options.nvme_copies * sum(numel for _, _, numel in plan.shard_swap) * plan.compute_dtype.itemsize
         if plan.opt_tier == "nvme" and param.requires_grad:
             needed += options.nvme_copies * len(OPTIMIZER_STATES) * plan.local_numel * 4  # fp32 master, moments, grad
     validate_folder(options.nvme_path, needed)
+
+
+def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_of) -> list:
+    """Option host_memory: pick whose states of ``params`` (with their all-NVMe ``plans``) rest on the cpu tier
+    (:func:`.ram_cache.choose_cached`, the budget as :mod:`.ram_cache` says), note the tiers for :func:`adopt`,
+    and return the plans with them."""
+    requires_grad = [param.requires_grad for param, _ in params]
+    # A dropped model's parameters may wait in reference cycles: collected first, so that its records neither
+    # hold budget they no longer use nor leave ranks with different garbage choosing differently.
+    gc.collect()
+    store.collect()
+    pinned = store.pinned_pool(0).capacity_bytes  # (made now, sized from every plan so far, as it would be)
+    held = ram_cache.held_by_records(store.records()) + ram_cache.grad_bytes(plans, requires_grad)
+    budget = ram_cache.states_budget(options.host_memory, pinned, held)
+    chosen = ram_cache.choose_cached(ram_cache.cache_items(plans, requires_grad), budget)
+    cached_plans = []
+    for index, ((param, tile_rows), plan) in enumerate(zip(params, plans)):
+        tiers = dict(param_tier="cpu" if (index, ram_cache.SHARD) in chosen else plan.param_tier,
+                     opt_tier="cpu" if (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
+        _CACHED_TIERS[param] = (tiers["param_tier"], tiers["opt_tier"])
+        cached_plans.append(plan_of(param, tile_rows, **tiers) if tiers != (plan.param_tier, plan.opt_tier) else plan)
+    return cached_plans

@@ -1,0 +1,122 @@
+"""The RAM cache over the NVMe tier (option host_memory): a model whose parameters rest some on the cpu tier,
+some on NVMe trains bit-equal to the all-NVMe run and equal to eager, and resumes from a checkpoint exactly.
+
+The choice itself: tests/unit/test_ram_cache.py."""
+
+import pytest
+import torch
+
+import zinf_compiler as zinf
+from zinf_compiler import ram_cache
+from zinf_compiler.api import RUNTIME
+from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+BATCHES = synthetic_batches(CFG, 4, 6)
+ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
+PINNED = 1 << 20
+
+
+def _host_memory_for_a_mix(mixed: str) -> int:
+    """A host_memory whose states budget (ram_cache.states_budget) holds half the optimizer states (``mixed``
+    "optimizer"), or every optimizer state and half the fp32 shards ("shard": the cache takes optimizer states
+    first)."""
+    numel = sum(p.numel() for p in GPT(CFG).parameters())
+    optimizer = ram_cache.OPTIMIZER_STATE_BYTES * numel
+    cached = optimizer + 4 * numel // 2 if mixed == "shard" else optimizer // 2
+    wanted = PINNED + ram_cache.GRAD_BYTES * numel + cached
+    return int(wanted / (1 - ram_cache.HEADROOM_FRACTION))
+
+
+class Run:
+    def __init__(self, options: dict):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        self.model = GPT(CFG)
+        self.compiled = torch.compile(self.model, backend="zinf", options={"lower": "eager", **options})
+        self.opt = zinf.optim.AdamW(self.model.parameters(), **ADAMW)
+
+    def train(self, steps) -> list[float]:
+        losses = []
+        for step in steps:
+            loss = self.compiled(*BATCHES[step])
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def state(self) -> dict:
+        return {k: v.clone() for k, v in zinf.full_state_dict(self.compiled).items()}
+
+    def tiers(self) -> list[tuple[str, str]]:
+        return [(r.param_tier, r.opt_tier) for r in map(RUNTIME.store.lookup, self.model.parameters())]
+
+
+def _options(tmp_path, offload_param: str, mixed: str | None) -> dict:
+    """Parameters on ``offload_param``, optimizer state on NVMe; ``mixed``: which states the cache splits
+    between RAM and NVMe (None: no host_memory, all on NVMe)."""
+    options = dict(stage=3, offload_param=offload_param, offload_optimizer="nvme", pinned_bytes=PINNED,
+                   nvme_path=str(tmp_path))
+    if mixed is not None:
+        options["host_memory"] = _host_memory_for_a_mix(mixed)
+    return options
+
+
+def _bit_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8),
+                                                                                  b[k].view(torch.uint8)) for k in a)
+
+
+@pytest.mark.parametrize("offload_param, mixed", [("nvme", "optimizer"), ("nvme", "shard"), ("none", "optimizer")])
+def test_a_cached_run_is_bit_equal_to_the_all_nvme_run_and_equals_eager(tmp_path, offload_param, mixed):
+    steps = range(4)
+    torch.manual_seed(0)
+    eager = GPT(CFG)
+    eager_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
+    eager_losses = []
+    for step in steps:
+        loss = eager(*BATCHES[step])
+        loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        eager_losses.append(loss.item())
+
+    cached = Run(_options(tmp_path, offload_param, mixed))
+    cached_losses = cached.train(steps)
+    tiers = cached.tiers()
+    # Parameters and optimizer state both on NVMe step during backward (overlap_optimizer), the others after it.
+    stepped_early = {r.step_in_backward for r in map(RUNTIME.store.lookup, cached.model.parameters())}
+    cached_state = cached.state()
+    report = zinf.memory_report(cached.compiled)
+    del cached
+    everything_on_disk = Run(_options(tmp_path, offload_param, None))
+    nvme_losses = everything_on_disk.train(steps)
+    assert all("cpu" not in pair for pair in everything_on_disk.tiers())
+
+    # The mix happened: some shards (with every optimizer state) in RAM, some on NVMe, or some optimizer states.
+    assert {pair[0 if mixed == "shard" else 1] for pair in tiers} == {"cpu", "nvme"}, tiers
+    assert report["cpu"]["optimizer"] > 0 and report["nvme"]["params" if mixed == "shard" else "optimizer"] > 0, report
+    assert stepped_early == ({True, False} if (offload_param, mixed) == ("nvme", "optimizer") else {False})
+    assert cached_losses == nvme_losses
+    assert _bit_equal(cached_state, everything_on_disk.state())
+    assert cached_losses == pytest.approx(eager_losses, rel=1e-5)
+    for name, value in eager.named_parameters():
+        torch.testing.assert_close(cached_state[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_cached_run_resumes_from_a_checkpoint_bit_identically(tmp_path):
+    options = _options(tmp_path, "nvme", "optimizer")
+    straight = Run(options)
+    expected_losses = straight.train(range(6))
+    expected = straight.state()
+    del straight
+    first = Run(options)
+    first.train(range(3))
+    zinf.save(tmp_path / "ckpt", first.compiled, first.opt)
+    del first
+    resumed = Run(options)
+    zinf.load(tmp_path / "ckpt", resumed.compiled, resumed.opt)
+    assert resumed.train(range(3, 6)) == expected_losses[3:]
+    assert {opt_tier for _, opt_tier in resumed.tiers()} == {"cpu", "nvme"}
+    assert _bit_equal(resumed.state(), expected)
