@@ -38,6 +38,7 @@ GRAD_BYTES = 4  # the fp32 reduced gradient of one element
 
 OPTIMIZER = "optimizer"  # an item's kind: a parameter's master and moments (its opt_tier)
 SHARD = "shard"  # an item's kind: a stage-3 parameter shard (its param_tier)
+NAMES_LISTED = 8  # parameter names a dump line lists of each kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +125,20 @@ def held_by_records(records: Iterable) -> int:
         if plan.param_tier == "cpu":
             held += _numel(plan) * plan.compute_dtype.itemsize
     return held
+
+
+def describe_cached(named_layouts: Iterable, options) -> str | None:
+    """One line naming the parameters of ``named_layouts`` ((name, layout or plan) pairs) whose states the cache
+    kept in RAM against ``options``' nvme tiers (for the dumps); None without host_memory."""
+    if options.host_memory is None:
+        return None
+    named_layouts = list(named_layouts)
+    kept = {kind: [name for name, layout in named_layouts if asked == "nvme" and getattr(layout, tier) == "cpu"]
+            for kind, tier, asked in ((OPTIMIZER, "opt_tier", options.offload_optimizer),
+                                      (SHARD, "param_tier", options.offload_param))}
+
+    def listed(names: list[str]) -> str:
+        return f"{len(names)} ({', '.join(names[:NAMES_LISTED])}{', ...' if len(names) > NAMES_LISTED else ''})"
+
+    return (f"ram cache (host_memory {options.host_memory:,} bytes): of {len(named_layouts)} parameters, in RAM "
+            f"the optimizer state of {listed(kept[OPTIMIZER])}, the shard of {listed(kept[SHARD])}; the rest on nvme")

@@ -1,7 +1,7 @@
 """The RAM cache over the NVMe tier (option host_memory): a model whose parameters rest some on the cpu tier,
 some on NVMe trains bit-equal to the all-NVMe run and equal to eager, and resumes from a checkpoint exactly.
 
-The choice itself: tests/unit/test_ram_cache.py."""
+The choice itself: tests/unit/test_ram_cache_choice.py."""
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def test_a_cached_run_is_bit_equal_to_the_all_nvme_run_and_equals_eager(tmp_path
         eager_opt.zero_grad()
         eager_losses.append(loss.item())
 
-    cached = Run(_options(tmp_path, offload_param, mixed))
+    cached = Run({**_options(tmp_path, offload_param, mixed), "dump_dir": str(tmp_path / "dump")})
     cached_losses = cached.train(steps)
     tiers = cached.tiers()
     # Parameters and optimizer state both on NVMe step during backward (overlap_optimizer), the others after it.
@@ -97,6 +97,10 @@ def test_a_cached_run_is_bit_equal_to_the_all_nvme_run_and_equals_eager(tmp_path
     # The mix happened: some shards (with every optimizer state) in RAM, some on NVMe, or some optimizer states.
     assert {pair[0 if mixed == "shard" else 1] for pair in tiers} == {"cpu", "nvme"}, tiers
     assert report["cpu"]["optimizer"] > 0 and report["nvme"]["params" if mixed == "shard" else "optimizer"] > 0, report
+    # The dumps name the parameters kept in RAM.
+    lines = [line for path in (tmp_path / "dump").rglob("*.py") for line in path.read_text().splitlines()
+             if "ram cache (host_memory" in line]
+    assert lines and all("the rest on nvme" in line for line in lines), lines
     assert stepped_early == ({True, False} if (offload_param, mixed) == ("nvme", "optimizer") else {False})
     assert cached_losses == nvme_losses
     assert _bit_equal(cached_state, everything_on_disk.state())
