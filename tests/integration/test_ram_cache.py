@@ -68,7 +68,10 @@ def _bit_equal(a: dict, b: dict) -> bool:
                                                                                   b[k].view(torch.uint8)) for k in a)
 
 
-@pytest.mark.parametrize("offload_param, mixed", [("nvme", "optimizer"), ("nvme", "shard"), ("none", "optimizer")])
+# The default run: the mix with steps during backward; the shard mix and shards on the device: -m slow.
+@pytest.mark.parametrize("offload_param, mixed", [("nvme", "optimizer"),
+                                                  pytest.param("nvme", "shard", marks=pytest.mark.slow),
+                                                  pytest.param("none", "optimizer", marks=pytest.mark.slow)])
 def test_a_cached_run_is_bit_equal_to_the_all_nvme_run_and_equals_eager(tmp_path, offload_param, mixed):
     steps = range(4)
     torch.manual_seed(0)

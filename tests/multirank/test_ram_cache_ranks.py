@@ -4,6 +4,7 @@ during backward) trains like eager and loss for loss like the all-NVMe run.
 
 In one process, bit for bit against the all-NVMe run: tests/integration/test_ram_cache.py."""
 
+import pytest
 from multirank import run_ranks
 
 from zinf_compiler import ram_cache
@@ -20,6 +21,7 @@ def _host_memory_for_half_the_optimizer_state() -> int:
     return int(wanted / (1 - ram_cache.HEADROOM_FRACTION))
 
 
+@pytest.mark.slow  # (world 2, like the offload matrix in test_zero.py)
 def test_ranks_cache_the_same_states_and_train_like_all_nvme_and_eager():
     nvme = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "pinned_bytes": PINNED,
             "max_norm": None}
