@@ -33,6 +33,13 @@ def model_mesh(options: ZinfOptions, comm):
 _CACHED_TIERS = WeakIdKeyDictionary()
 
 
+def planned_as(param: torch.Tensor, planned: torch.Tensor) -> None:
+    """``param`` is adopted as ``planned`` was planned by :func:`plan_offload` (``zinf.materialize`` plans the
+    meta-device parameters and adopts the real ones built from them)."""
+    if planned in _CACHED_TIERS:
+        _CACHED_TIERS[param] = _CACHED_TIERS[planned]
+
+
 def _store_settings(options: ZinfOptions) -> dict:
     """What ``options`` decide of a parameter's plan and adoption, in ``ParamStore.adopt``'s words."""
     return dict(stage=options.stage, partition=options.partition, param_dtype=options.param_dtype,

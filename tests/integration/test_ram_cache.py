@@ -127,3 +127,26 @@ def test_a_cached_run_resumes_from_a_checkpoint_bit_identically(tmp_path):
     assert resumed.train(range(3, 6)) == expected_losses[3:]
     assert {opt_tier for _, opt_tier in resumed.tiers()} == {"cpu", "nvme"}
     assert _bit_equal(resumed.state(), expected)
+
+
+def test_materialize_plans_the_whole_model_and_adopts_it_as_planned(tmp_path):
+    """zinf.materialize plans the meta-device parameters at once and adopts the real ones built from them."""
+    states, tiers = [], []
+    for mixed in ("optimizer", None):
+        torch._dynamo.reset()
+        options = {"lower": "eager", **_options(tmp_path, "nvme", mixed)}
+        with torch.device("meta"):
+            model = GPT(CFG)
+        torch.manual_seed(0)
+        zinf.materialize(model, options, init_fn=model.init_weights)
+        tiers.append({(r.param_tier, r.opt_tier) for r in map(RUNTIME.store.lookup, model.parameters())})
+        compiled = torch.compile(model, backend="zinf", options=options)
+        opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
+        for batch in BATCHES[:2]:
+            compiled(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+        states.append({k: v.clone() for k, v in zinf.full_state_dict(compiled).items()})
+        del model, compiled, opt
+    assert {opt_tier for _, opt_tier in tiers[0]} == {"cpu", "nvme"} and tiers[1] == {("nvme", "nvme")}, tiers
+    assert _bit_equal(*states)
