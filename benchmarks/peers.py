@@ -27,8 +27,8 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
   ``overlap_optimizer=True`` (the optimizer stepped during backward, which
   "auto" also does since session 17), and ``zinf_nvme_late`` the default with
   ``overlap_optimizer=False`` (every step after backward); ``zinf_cache``,
-  ``zinf_cache_1g`` and ``zinf_cache_768m`` the default with ``host_memory``
-  2.9 GiB, 1 GiB and 768 MiB (the RAM cache over the NVMe tier keeps the
+  ``zinf_cache_1536m`` and ``zinf_cache_1g`` the default with ``host_memory``
+  2.9 GiB, 1.5 GiB and 1 GiB (the RAM cache over the NVMe tier keeps the
   states that fit in RAM).
 
 With nvme configurations, the disk's read and write rates are probed once at
@@ -141,13 +141,13 @@ SYSTEMS = {
                        {"device": "nvme", "placement": "nvme", "overlap_optimizer": False}),
     # The RAM cache over the NVMe tier (option host_memory, zinf_compiler/ram_cache.py): the states that fit
     # stay in RAM. 2.9 GiB is DeepSpeed NVMe's peak RSS for the default GPT (issue 38); at the default size the
-    # smaller two keep part of the optimizer state on disk, the largest none.
+    # smaller two keep part of the optimizer state on disk, the largest nothing.
     "zinf_cache": ("zinf stage 3, offload nvme, host_memory 2.9GiB", "zinf",
                    {"device": "nvme", "placement": "nvme", "host_memory": "2.9GiB"}),
     "zinf_cache_1g": ("zinf stage 3, offload nvme, host_memory 1GiB", "zinf",
                       {"device": "nvme", "placement": "nvme", "host_memory": "1GiB"}),
-    "zinf_cache_768m": ("zinf stage 3, offload nvme, host_memory 768MiB", "zinf",
-                        {"device": "nvme", "placement": "nvme", "host_memory": "768MiB"}),
+    "zinf_cache_1536m": ("zinf stage 3, offload nvme, host_memory 1.5GiB", "zinf",
+                         {"device": "nvme", "placement": "nvme", "host_memory": "1536MiB"}),
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)

@@ -117,14 +117,19 @@ def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_
     # hold budget they no longer use nor leave ranks with different garbage choosing differently.
     gc.collect()
     store.collect()
-    pinned = store.pinned_pool(0).capacity_bytes  # (made now, sized from every plan so far, as it would be)
     held = ram_cache.held_by_records(store.records()) + ram_cache.grad_bytes(plans, requires_grad)
-    budget = ram_cache.states_budget(options.host_memory, pinned, held)
-    chosen = ram_cache.choose_cached(ram_cache.cache_items(plans, requires_grad), budget)
+    items = ram_cache.cache_items(plans, requires_grad)
+    # No pinned pool while nothing rests on NVMe; else it is made now (sized from every plan so far, as it
+    # would be at the first swap) and its bytes come out of the budget.
+    pinned = store.pinned.capacity_bytes if store.pinned is not None else 0
+    chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
+    if len(chosen) < len(items) and store.pinned is None:
+        pinned = store.pinned_pool(0).capacity_bytes
+        chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
     cached_plans = []
     for index, ((param, tile_rows), plan) in enumerate(zip(params, plans)):
         tiers = dict(param_tier="cpu" if (index, ram_cache.SHARD) in chosen else plan.param_tier,
                      opt_tier="cpu" if (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
         _CACHED_TIERS[param] = (tiers["param_tier"], tiers["opt_tier"])
-        cached_plans.append(plan_of(param, tile_rows, **tiers) if tiers != (plan.param_tier, plan.opt_tier) else plan)
+        cached_plans.append(plan_of(param, tile_rows, **tiers) if tiers != dict(param_tier=plan.param_tier, opt_tier=plan.opt_tier) else plan)
     return cached_plans

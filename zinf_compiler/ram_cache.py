@@ -3,7 +3,7 @@
 With ``offload_optimizer="nvme"`` every trained parameter's fp32 master and
 Adam moments are read and written once per step (twice their bytes), and
 with ``offload_param="nvme"`` every stage-3 shard is read once per fetch
-(forward and backward: twice its bytes).  Under a ``host_memory`` budget the
+(forward and backward: twice its bytes) and written after the step.  Under a ``host_memory`` budget the
 states that save the most disk bytes per byte of RAM stay on the cpu tier
 instead (:func:`choose_cached`); the arithmetic is the same on either tier,
 so the result is bit-equal to the all-NVMe run.
@@ -78,17 +78,20 @@ def cache_items(plans: Sequence, requires_grad: Sequence[bool]) -> list[CacheIte
             held = OPTIMIZER_STATE_BYTES * _numel(plan)
             items.append(CacheItem(index, OPTIMIZER, held, 2 * held))
         if plan.param_tier == "nvme":
+            # Read at the forward's and the backward's fetch, written after each step: a shard of its own is
+            # written back, and one read from the master's files would need that write once the master alone
+            # moved to RAM.
             held = _numel(plan) * plan.compute_dtype.itemsize
-            items.append(CacheItem(index, SHARD, held, 2 * held))
+            items.append(CacheItem(index, SHARD, held, 3 * held))
     return items
 
 
 def choose_cached(items: Iterable[CacheItem], budget: int) -> set[tuple[int, str]]:
     """The ``(index, kind)`` of the items to keep in RAM within ``budget`` bytes.
 
-    Greedy by disk bytes saved per byte held, highest first; ties go to the
-    optimizer state (a step reads and writes it), then to the earlier
-    parameter.  An item that does not fit what is left is skipped and smaller
+    Greedy by disk bytes saved per byte held, highest first (a shard, 3,
+    before an optimizer state, 2); ties go to the optimizer state, then to
+    the earlier parameter.  An item that does not fit what is left is skipped and smaller
     ones after it may still fit.  Deterministic: a function of sizes alone.
     """
     chosen, left = set(), budget
