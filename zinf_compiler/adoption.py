@@ -131,5 +131,6 @@ def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_
         tiers = dict(param_tier="cpu" if (index, ram_cache.SHARD) in chosen else plan.param_tier,
                      opt_tier="cpu" if (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
         _CACHED_TIERS[param] = (tiers["param_tier"], tiers["opt_tier"])
-        cached_plans.append(plan_of(param, tile_rows, **tiers) if tiers != dict(param_tier=plan.param_tier, opt_tier=plan.opt_tier) else plan)
+        unchanged = tiers == dict(param_tier=plan.param_tier, opt_tier=plan.opt_tier)
+        cached_plans.append(plan if unchanged else plan_of(param, tile_rows, **tiers))
     return cached_plans

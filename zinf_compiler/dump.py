@@ -152,8 +152,9 @@ class GraphDumper:
             "parameter bytes per tier (this rank, between steps): " + ", ".join(f"{tier} {count:,}" for tier, count in tier_bytes.items()),
             f"pass time: {seconds * 1000:.1f} ms",
         ] + list(extra_header or [])
-        cached = ram_cache.describe_cached(((info.name, ctx.captured.layouts[info.position]) for info in ctx.params.values()
-                                            if info.position in ctx.captured.layouts), ctx.captured.options)
+        layouts = ctx.captured.layouts
+        cached = ram_cache.describe_cached(((info.name, layouts[info.position]) for info in ctx.params.values()
+                                            if info.position in layouts), ctx.captured.options)
         header += [cached] if cached else []
         filename = f"{ctx.kind}.{step:02d}_{stage}.py"
         self._write_graph(filename, header, gm)

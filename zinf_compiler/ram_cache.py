@@ -3,10 +3,11 @@
 With ``offload_optimizer="nvme"`` every trained parameter's fp32 master and
 Adam moments are read and written once per step (twice their bytes), and
 with ``offload_param="nvme"`` every stage-3 shard is read once per fetch
-(forward and backward: twice its bytes) and written after the step.  Under a ``host_memory`` budget the
-states that save the most disk bytes per byte of RAM stay on the cpu tier
-instead (:func:`choose_cached`); the arithmetic is the same on either tier,
-so the result is bit-equal to the all-NVMe run.
+(forward and backward) and written after the step (three times its bytes).
+Under a ``host_memory`` budget the states that save the most disk bytes per
+byte of RAM stay on the cpu tier instead (:func:`choose_cached`: shards
+first, then optimizer states); the arithmetic is the same on either tier, so
+the result is bit-equal to the all-NVMe run.
 
 The budget (:func:`states_budget`) is the process's: every model adopted
 under ``host_memory`` spends from one tally, the RAM the store's live records
@@ -14,12 +15,14 @@ already hold (:func:`held_by_records`), first come first served in the order
 graphs are adopted (a model split by graph breaks spends it graph by graph;
 ``zinf.materialize`` plans the whole model at once).  Of ``host_memory``,
 a quarter is left for what this module cannot size (activations, the
-process's own RSS: Python, torch, the compiled code), and the pinned pool and
+process's own RSS: Python, torch, the compiled code), and the pinned pool
+(once it exists; adoption.py makes it only if some state stays on NVMe) and
 every trained parameter's fp32 gradient (4 bytes per element, held in RAM
 under the default ``nvme_grad_ram_bytes``) are taken before any state is
-cached.  Everything here is computed from sizes every rank shares (a
-broadcast parameter counts whole, as on its owner), so every rank makes the
-same choice without a collective.
+cached.  Not counted: the activations' own pinned pool (``offload_activations``).
+Everything here is computed from sizes every rank shares (a broadcast
+parameter counts whole, as on its owner), so every rank makes the same
+choice without a collective.
 
 Pure: no store, no I/O; the compile side (adoption.py) hands in plans and records.
 """

@@ -161,7 +161,8 @@ def test_materialize_plans_the_whole_model_and_adopts_it_as_planned(tmp_path):
 def test_with_every_state_in_ram_nothing_is_on_nvme(tmp_path):
     numel = sum(p.numel() for p in GPT(CFG).parameters())
     everything = _pinned_pool_bytes(tmp_path) + (ram_cache.GRAD_BYTES + ram_cache.OPTIMIZER_STATE_BYTES + 4) * numel
-    options = {**_options(tmp_path, "nvme", None), "host_memory": int(everything / (1 - ram_cache.HEADROOM_FRACTION)) + 1}
+    host_memory = int(everything / (1 - ram_cache.HEADROOM_FRACTION)) + 1
+    options = {**_options(tmp_path, "nvme", None), "host_memory": host_memory}
     run = Run(options)
     run.train(range(1))
     assert set(run.tiers()) == {("cpu", "cpu")}
