@@ -128,8 +128,9 @@ def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_
         chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
     cached_plans = []
     for index, ((param, tile_rows), plan) in enumerate(zip(params, plans)):
-        tiers = dict(param_tier="cpu" if (index, ram_cache.SHARD) in chosen else plan.param_tier,
-                     opt_tier="cpu" if (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
+        whole = (index, ram_cache.WHOLE) in chosen
+        tiers = dict(param_tier="cpu" if whole or (index, ram_cache.SHARD) in chosen else plan.param_tier,
+                     opt_tier="cpu" if whole or (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
         _CACHED_TIERS[param] = (tiers["param_tier"], tiers["opt_tier"])
         unchanged = tiers == dict(param_tier=plan.param_tier, opt_tier=plan.opt_tier)
         cached_plans.append(plan if unchanged else plan_of(param, tile_rows, **tiers))

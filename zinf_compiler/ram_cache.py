@@ -5,9 +5,10 @@ Adam moments are read and written once per step (twice their bytes), and
 with ``offload_param="nvme"`` every stage-3 shard is read once per fetch
 (forward and backward) and written after the step (three times its bytes).
 Under a ``host_memory`` budget the states that save the most disk bytes per
-byte of RAM stay on the cpu tier instead (:func:`choose_cached`: shards
-first, then optimizer states); the arithmetic is the same on either tier, so
-the result is bit-equal to the all-NVMe run.
+byte of RAM stay on the cpu tier instead (:func:`choose_cached`; a parameter
+with both on NVMe stays whole on one tier, :func:`cache_items`); the
+arithmetic is the same on either tier, so the result is bit-equal to the
+all-NVMe run.
 
 The budget (:func:`states_budget`) is the process's: every model adopted
 under ``host_memory`` spends from one tally, the RAM the store's live records
@@ -41,6 +42,7 @@ GRAD_BYTES = 4  # the fp32 reduced gradient of one element
 
 OPTIMIZER = "optimizer"  # an item's kind: a parameter's master and moments (its opt_tier)
 SHARD = "shard"  # an item's kind: a stage-3 parameter shard (its param_tier)
+WHOLE = "whole"  # an item's kind: both, of a parameter with both on NVMe
 NAMES_LISTED = 8  # parameter names a dump line lists of each kind
 
 
@@ -72,20 +74,22 @@ def _trained(plan, requires_grad: bool) -> bool:
 def cache_items(plans: Sequence, requires_grad: Sequence[bool]) -> list[CacheItem]:
     """The cacheable states of ``plans`` (each a ``ParamPlan`` laid out for the nvme tiers, in adoption order;
     None: skip; ``requires_grad`` of each): an nvme optimizer state of a trained float parameter, read and
-    written once a step, and an nvme stage-3 shard, read at each fetch (forward and backward)."""
+    written once a step, and an nvme stage-3 shard, read at each fetch (forward and backward) and written after
+    the step.  A trained parameter with both on NVMe is one item, both kept in RAM or neither: the optimizer
+    steps it during backward only while both rest on NVMe (overlap_optimizer; a parameter half in RAM would
+    step after backward, on the step's critical path)."""
     items = []
     for index, (plan, trained) in enumerate(zip(plans, requires_grad)):
         if plan is None or _numel(plan) == 0:
             continue
-        if plan.opt_tier == "nvme" and _trained(plan, trained):
-            held = OPTIMIZER_STATE_BYTES * _numel(plan)
-            items.append(CacheItem(index, OPTIMIZER, held, 2 * held))
-        if plan.param_tier == "nvme":
-            # Read at the forward's and the backward's fetch, written after each step: a shard of its own is
-            # written back, and one read from the master's files would need that write once the master alone
-            # moved to RAM.
-            held = _numel(plan) * plan.compute_dtype.itemsize
-            items.append(CacheItem(index, SHARD, held, 3 * held))
+        optimizer = OPTIMIZER_STATE_BYTES * _numel(plan) if plan.opt_tier == "nvme" and _trained(plan, trained) else 0
+        shard = _numel(plan) * plan.compute_dtype.itemsize if plan.param_tier == "nvme" else 0
+        if optimizer and shard:
+            items.append(CacheItem(index, WHOLE, optimizer + shard, 2 * optimizer + 3 * shard))
+        elif optimizer:
+            items.append(CacheItem(index, OPTIMIZER, optimizer, 2 * optimizer))
+        elif shard:
+            items.append(CacheItem(index, SHARD, shard, 3 * shard))
     return items
 
 
@@ -93,12 +97,12 @@ def choose_cached(items: Iterable[CacheItem], budget: int) -> set[tuple[int, str
     """The ``(index, kind)`` of the items to keep in RAM within ``budget`` bytes.
 
     Greedy by disk bytes saved per byte held, highest first (a shard, 3,
-    before an optimizer state, 2); ties go to the optimizer state, then to
-    the earlier parameter.  An item that does not fit what is left is skipped and smaller
+    before a whole parameter, then an optimizer state, 2); ties go to the
+    earlier parameter.  An item that does not fit what is left is skipped and smaller
     ones after it may still fit.  Deterministic: a function of sizes alone.
     """
     chosen, left = set(), budget
-    for item in sorted(items, key=lambda item: (-item.rate, item.kind != OPTIMIZER, item.index)):
+    for item in sorted(items, key=lambda item: (-item.rate, item.index, item.kind)):
         if item.held_bytes <= left:
             chosen.add((item.index, item.kind))
             left -= item.held_bytes

@@ -1,5 +1,5 @@
 """The RAM cache over the NVMe tier (option host_memory) at world size 2: both ranks make the same choice
-without a collective, and the mixed run (shards part in RAM, part on NVMe, the parameters all on NVMe stepped
+without a collective, and the mixed run (half the parameters' states in RAM, half on NVMe, those stepped
 during backward) trains like eager and loss for loss like the all-NVMe run.
 
 In one process, bit for bit against the all-NVMe run: tests/integration/test_ram_cache.py."""
@@ -15,16 +15,16 @@ WORLD = 2
 PINNED = 64 << 20  # the "auto" pool of this model (its floor), made by the all-NVMe run that goes first
 
 
-def _host_memory_for_half_the_shards() -> int:
+def _host_memory_for_half_the_parameters() -> int:
     numel = -(-sum(p.numel() for p in GPT(GPTConfig(**MODEL, frozen_scale=True)).parameters()) // WORLD)
-    wanted = PINNED + ram_cache.GRAD_BYTES * numel + 4 * numel // 2
+    wanted = PINNED + ram_cache.GRAD_BYTES * numel + (4 + ram_cache.OPTIMIZER_STATE_BYTES) * numel // 2
     return int(wanted / (1 - ram_cache.HEADROOM_FRACTION))
 
 
 @pytest.mark.slow  # (world 2, like the offload matrix in test_zero.py)
 def test_ranks_cache_the_same_states_and_train_like_all_nvme_and_eager():
     nvme = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "max_norm": None}
-    cached = {**nvme, "host_memory": _host_memory_for_half_the_shards()}
+    cached = {**nvme, "host_memory": _host_memory_for_half_the_parameters()}
     results = run_ranks(WORLD, "zero_worker", {"model": MODEL, "steps": 4, "batch": 2, "configs": [nvme, cached]})
     nvme_runs = [rank_results[0] for rank_results in results]
     cached_runs = [rank_results[1] for rank_results in results]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zinf_compiler import ram_cache
-from zinf_compiler.ram_cache import OPTIMIZER, SHARD, CacheItem
+from zinf_compiler.ram_cache import OPTIMIZER, SHARD, WHOLE, CacheItem
 from zinf_compiler.runtime.param_plan import plan_param
 
 
@@ -21,8 +21,8 @@ def _plan(numel: int, param_tier="nvme", opt_tier="nvme", param_dtype=torch.floa
 def test_items_are_the_nvme_states_sized_per_element():
     plans = [_plan(1000), _plan(500, param_dtype=torch.bfloat16), _plan(300, param_tier="device"), None]
     items = ram_cache.cache_items(plans, [True, True, True, True])
-    assert items == [CacheItem(0, OPTIMIZER, 12000, 24000), CacheItem(0, SHARD, 4000, 12000),
-                     CacheItem(1, OPTIMIZER, 6000, 12000), CacheItem(1, SHARD, 1000, 3000),
+    # Both on NVMe: one item (master and moments read and written, the shard read twice and written).
+    assert items == [CacheItem(0, WHOLE, 16000, 36000), CacheItem(1, WHOLE, 7000, 15000),
                      CacheItem(2, OPTIMIZER, 3600, 7200)]
     # A frozen parameter has no optimizer state, only its shard.
     assert ram_cache.cache_items([_plan(1000)], [False]) == [CacheItem(0, SHARD, 4000, 12000)]
@@ -33,7 +33,7 @@ def test_every_rank_sizes_a_parameter_alike():
     """Ranks choose without a collective: what they size must not depend on the rank."""
     for rank in range(3):
         allgather = ram_cache.cache_items([_plan(1001, world_size=3, rank=rank)], [True])
-        assert allgather == [CacheItem(0, OPTIMIZER, 12 * 334, 24 * 334), CacheItem(0, SHARD, 4 * 334, 12 * 334)]
+        assert allgather == [CacheItem(0, WHOLE, 16 * 334, 36 * 334)]
     # A broadcast parameter counts whole on every rank, its owner's or not (as records once adopted).
     owned = _plan(1001, world_size=3, rank=0, partition="broadcast")
     other = plan_param(uid=0, shape=(1001,), dtype=torch.float32, device=torch.device("cpu"), stage=3,
@@ -42,7 +42,7 @@ def test_every_rank_sizes_a_parameter_alike():
     assert ram_cache.cache_items([owned], [True]) == ram_cache.cache_items([other], [True])
 
 
-def test_the_choice_takes_the_best_rate_first_then_the_optimizer_then_graph_order():
+def test_the_choice_takes_the_best_rate_first_then_graph_order():
     items = [CacheItem(0, SHARD, 100, 200), CacheItem(0, OPTIMIZER, 300, 600), CacheItem(1, OPTIMIZER, 300, 600),
              CacheItem(2, SHARD, 100, 300)]
     assert ram_cache.choose_cached(items, 100) == {(2, SHARD)}  # 3 bytes moved per byte held
