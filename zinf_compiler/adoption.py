@@ -52,7 +52,8 @@ def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, til
     """Shard ``param`` into ``store`` with the tiers, dtype and layout ``options`` name; returns its record.
 
     ``tile_rows``: the tile plan (:func:`zinf_compiler.tile_plan.tile_rows_for`), None for an untiled
-    parameter; ``ledger`` and ``read_local`` as for ``ParamStore.adopt``.
+    parameter; ``ledger`` and ``read_local`` as for ``ParamStore.adopt``.  With option host_memory, the tiers
+    are the RAM cache's choice (:func:`plan_offload`, which must have planned ``param`` first).
     """
     settings = _store_settings(options)
     if options.host_memory is not None:

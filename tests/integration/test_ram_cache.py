@@ -166,3 +166,37 @@ def test_with_every_state_in_ram_nothing_is_on_nvme(tmp_path):
     run.train(range(1))
     assert set(run.tiers()) == {("cpu", "cpu")}
     assert zinf.memory_report(run.compiled)["nvme"] == dict.fromkeys(zinf.memory_report(run.compiled)["nvme"], 0)
+
+
+class _TwoGraphs(torch.nn.Module):
+    """Two layers a graph break splits into two graphs, adopted one after the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(64, 64, bias=False)
+        self.second = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(x).square().mean()
+
+
+def test_graphs_spend_one_budget_first_come_first_served(tmp_path):
+    """The second graph sees what the first one's cache holds: a budget for one layer caches the first only."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TwoGraphs()
+    numel = model.first.weight.numel()
+    one_layer = (ram_cache.OPTIMIZER_STATE_BYTES + 4) * numel
+    wanted = _pinned_pool_bytes(tmp_path) + 2 * ram_cache.GRAD_BYTES * numel + one_layer + numel
+    options = {**_options(tmp_path, "nvme", None), "lower": "eager",
+               "host_memory": int(wanted / (1 - ram_cache.HEADROOM_FRACTION)) + 1}
+    compiled = torch.compile(model, backend="zinf", options=options)
+    opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
+    for _ in range(2):
+        compiled(torch.randn(8, 64)).backward()
+        opt.step()
+        opt.zero_grad()
+    tiers = [(r.param_tier, r.opt_tier) for r in map(RUNTIME.store.lookup, (model.first.weight, model.second.weight))]
+    assert tiers == [("cpu", "cpu"), ("nvme", "nvme")]
