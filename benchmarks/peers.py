@@ -26,7 +26,10 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
   ``zinf_nvme_early`` and ``zinf_nvme_ram_early`` are the first two with
   ``overlap_optimizer=True`` (the optimizer stepped during backward, which
   "auto" also does since session 17), and ``zinf_nvme_late`` the default with
-  ``overlap_optimizer=False`` (every step after backward).
+  ``overlap_optimizer=False`` (every step after backward); ``zinf_cache``,
+  ``zinf_cache_1536m`` and ``zinf_cache_1g`` the default with ``host_memory``
+  2.9 GiB, 1.5 GiB and 1 GiB (the RAM cache over the NVMe tier keeps the
+  states that fit in RAM).
 
 With nvme configurations, the disk's read and write rates are probed once at
 the start (zinf's swap engine, 512 MiB each way), and a table puts each zinf
@@ -136,6 +139,15 @@ SYSTEMS = {
                              "overlap_optimizer": True}),
     "zinf_nvme_late": ("zinf stage 3, offload nvme, optimizer after backward", "zinf",
                        {"device": "nvme", "placement": "nvme", "overlap_optimizer": False}),
+    # The RAM cache over the NVMe tier (option host_memory, zinf_compiler/ram_cache.py): the states that fit
+    # stay in RAM. 2.9 GiB is DeepSpeed NVMe's peak RSS for the default GPT (issue 38); at the default size the
+    # smaller two keep part of the optimizer state on disk, the largest nothing.
+    "zinf_cache": ("zinf stage 3, offload nvme, host_memory 2.9GiB", "zinf",
+                   {"device": "nvme", "placement": "nvme", "host_memory": "2.9GiB"}),
+    "zinf_cache_1g": ("zinf stage 3, offload nvme, host_memory 1GiB", "zinf",
+                      {"device": "nvme", "placement": "nvme", "host_memory": "1GiB"}),
+    "zinf_cache_1536m": ("zinf stage 3, offload nvme, host_memory 1.5GiB", "zinf",
+                         {"device": "nvme", "placement": "nvme", "host_memory": "1536MiB"}),
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)
@@ -402,7 +414,8 @@ class Worker:
             return self.setup_deepspeed(settings["device"], big)
         if kind == "zinf":
             return self.setup_zinf(settings["device"], big, settings.get("grads_in_ram"),
-                                   settings.get("stage", 3), settings.get("overlap_optimizer", "auto"))
+                                   settings.get("stage", 3), settings.get("overlap_optimizer", "auto"),
+                                   settings.get("host_memory"))
         raise ValueError(kind)
 
     def setup_deepspeed(self, device: str, big: bool):
@@ -472,7 +485,7 @@ class Worker:
         return step
 
     def setup_zinf(self, device: str, big: bool, grads_in_ram: bool | None = None, stage: int = 3,
-                   overlap_optimizer: bool | str = "auto"):
+                   overlap_optimizer: bool | str = "auto", host_memory: str | None = None):
         import torch
         import zinf_compiler as zinf
         from zinf_compiler.gpt import GPT
@@ -484,6 +497,7 @@ class Worker:
             if grads_in_ram is not None:  # None: the default ("auto")
                 options["nvme_grad_ram_bytes"] = 1 << 40 if grads_in_ram else 0
             options["overlap_optimizer"] = overlap_optimizer
+            options["host_memory"] = host_memory
         if self.spec.get("trace_dir"):
             options.update(dump_dir=self.spec["trace_dir"], trace_step=self.spec["trace_step"])
         if big:
@@ -1091,7 +1105,7 @@ def attempt(args, key: str, rung: tuple[int, int], workdir: str, deadline: float
 
 def disk_need(key: str, params: int, args) -> int:
     """Swap bytes an NVMe attempt will write (estimate, to refuse one that would fill the disk)."""
-    if key == "zinf_nvme":  # fp32 master (the parameter is read from it), two moments, gradient; nvme_copies of each
+    if key == "zinf_nvme" or key.startswith("zinf_cache"):  # fp32 master (the parameter is read from it), two moments, gradient; nvme_copies of each
         return 16 * params * args.nvme_copies
     if key == "ds_nvme":  # fp32 parameters, master, two moments (gradients stay in RAM)
         return 16 * params

@@ -10,10 +10,13 @@ process-wide runtime.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from . import ram_cache
 from .options import ZinfOptions
 from .runtime.aio import validate_folder
 from .runtime.param_plan import plan_param
@@ -26,6 +29,17 @@ def model_mesh(options: ZinfOptions, comm):
     return options.mesh or comm.mesh()
 
 
+# (param_tier, opt_tier) that plan_offload's RAM cache (option host_memory) chose for a parameter not yet adopted.
+_CACHED_TIERS = WeakIdKeyDictionary()
+
+
+def planned_as(param: torch.Tensor, planned: torch.Tensor) -> None:
+    """``param`` is adopted as ``planned`` was planned by :func:`plan_offload` (``zinf.materialize`` plans the
+    meta-device parameters and adopts the real ones built from them)."""
+    if planned in _CACHED_TIERS:
+        _CACHED_TIERS[param] = _CACHED_TIERS[planned]
+
+
 def _store_settings(options: ZinfOptions) -> dict:
     """What ``options`` decide of a parameter's plan and adoption, in ``ParamStore.adopt``'s words."""
     return dict(stage=options.stage, partition=options.partition, param_dtype=options.param_dtype,
@@ -34,10 +48,11 @@ def _store_settings(options: ZinfOptions) -> dict:
 
 
 def plan_for(param: torch.Tensor, tile_rows: tuple[int, ...] | None, options: ZinfOptions, world_size: int,
-             rank: int, owner: int | None = None, uid: int = 0):
+             rank: int, owner: int | None = None, uid: int = 0, **tiers: str):
     """The plan ``param`` (real or on the meta device: only its shape, dtype and device are read) gets under
-    ``options`` on ``rank`` of ``world_size`` (see runtime/param_plan.py), as adoption would make it."""
-    settings = _store_settings(options)
+    ``options`` on ``rank`` of ``world_size`` (see runtime/param_plan.py), as adoption would make it;
+    ``tiers``: ``param_tier`` / ``opt_tier`` other than the options' (the RAM cache's choice)."""
+    settings = {**_store_settings(options), **tiers}
     settings["param_dtype"] = DTYPES[options.param_dtype]
     return plan_param(uid=uid, shape=param.shape, dtype=param.dtype, device=param.device, world_size=world_size,
                       rank=rank, owner=owner, tile_rows=tile_rows, requires_grad=param.requires_grad,
@@ -49,26 +64,79 @@ def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, til
     """Shard ``param`` into ``store`` with the tiers, dtype and layout ``options`` name; returns its record.
 
     ``tile_rows``: the tile plan (:func:`zinf_compiler.tile_plan.tile_rows_for`), None for an untiled
-    parameter; ``group`` and ``read_local`` as for ``ParamStore.adopt``.
+    parameter; ``group`` and ``read_local`` as for ``ParamStore.adopt``.  With option host_memory, the tiers
+    are the RAM cache's choice (:func:`plan_offload`, which must have planned ``param`` first).
     """
+    settings = _store_settings(options)
+    if options.host_memory is not None:
+        settings.update(_cached_tiers(store, param, settings))
     return store.adopt(param, name, tile_rows=tile_rows, group=group, read_local=read_local,
-                       grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **_store_settings(options))
+                       grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **settings)
+
+
+def _cached_tiers(store, param: torch.Tensor, settings: dict) -> dict:
+    """The tiers the RAM cache gave ``param``: chosen by :func:`plan_offload`, or, adopted before (by another
+    graph), its record's where the cache moved an nvme tier to the cpu."""
+    record = store.lookup(param)
+    if record is None:
+        param_tier, opt_tier = _CACHED_TIERS.get(param, (settings["param_tier"], settings["opt_tier"]))
+    else:
+        param_tier, opt_tier = (
+            held if (held, asked) == ("cpu", "nvme") else asked
+            for held, asked in ((record.param_tier, settings["param_tier"]), (record.opt_tier, settings["opt_tier"])))
+    return dict(param_tier=param_tier, opt_tier=opt_tier)
 
 
 def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]], options: ZinfOptions) -> None:
     """Before ``params`` (each with its tile rows) are adopted: configure the swap and pinned pool, check
-    nvme_path has room for their swap files (sized from their plans, as the store will lay them out)."""
+    nvme_path has room for their swap files (sized from their plans, as the store will lay them out); with
+    option host_memory, choose whose states the RAM cache keeps on the cpu tier (:mod:`.ram_cache`)."""
     store.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
                             options.aio_queue_depth, options.aio_threads, options.nvme_copies)
     if "nvme" not in (options.offload_param, options.offload_optimizer):
         return
     shard = model_mesh(options, store.comm).shard
-    needed = 0
-    for param, tile_rows in params:
-        if store.lookup(param) is not None:
-            continue
+    new = [(param, tile_rows) for param, tile_rows in params if store.lookup(param) is None]
+    new = list({id(param): (param, tile_rows) for param, tile_rows in new}.values())  # (a tied one once)
+
+    def plan_of(param, tile_rows, **tiers):
         # A broadcast parameter's owner is chosen at adoption: count it as this rank's, the most it can hold.
-        plan = plan_for(param, tile_rows, options, shard.world_size, shard.rank, owner=shard.rank)
+        return plan_for(param, tile_rows, options, shard.world_size, shard.rank, owner=shard.rank, **tiers)
+
+    plans = [plan_of(param, tile_rows) for param, tile_rows in new]
+    for plan in plans:
         store.plan_shards(plan.local_numel)
-        needed += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
+    if options.host_memory is not None:
+        plans = _choose_cached(store, new, plans, options, plan_of)
+    needed = sum(options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
+                 for (param, _), plan in zip(new, plans))
     validate_folder(options.nvme_path, needed)
+
+
+def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_of) -> list:
+    """Option host_memory: pick whose states of ``params`` (with their all-NVMe ``plans``) rest on the cpu tier
+    (:func:`.ram_cache.choose_cached`, the budget as :mod:`.ram_cache` says), note the tiers for :func:`adopt`,
+    and return the plans with them."""
+    requires_grad = [param.requires_grad for param, _ in params]
+    # A dropped model's parameters may wait in reference cycles: collected first, so that its records neither
+    # hold budget they no longer use nor leave ranks with different garbage choosing differently.
+    gc.collect()
+    store.collect()
+    held = ram_cache.held_by_records(store.records()) + ram_cache.grad_bytes(plans, requires_grad)
+    items = ram_cache.cache_items(plans, requires_grad)
+    # No pinned pool while nothing rests on NVMe; else it is made now (sized from every plan so far, as it
+    # would be at the first swap) and its bytes come out of the budget.
+    pinned = store.pinned.capacity_bytes if store.pinned is not None else 0
+    chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
+    if len(chosen) < len(items) and store.pinned is None:
+        pinned = store.pinned_pool(0).capacity_bytes
+        chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
+    cached_plans = []
+    for index, ((param, tile_rows), plan) in enumerate(zip(params, plans)):
+        whole = (index, ram_cache.WHOLE) in chosen
+        tiers = dict(param_tier="cpu" if whole or (index, ram_cache.SHARD) in chosen else plan.param_tier,
+                     opt_tier="cpu" if whole or (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
+        _CACHED_TIERS[param] = (tiers["param_tier"], tiers["opt_tier"])
+        unchanged = tiers == dict(param_tier=plan.param_tier, opt_tier=plan.opt_tier)
+        cached_plans.append(plan if unchanged else plan_of(param, tile_rows, **tiers))
+    return cached_plans

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import unit_plan
+from . import ram_cache, unit_plan
 from .context import CapturedGraph, GraphContext
 
 INDEX_FILE = "index.json"
@@ -152,6 +152,10 @@ class GraphDumper:
             "parameter bytes per tier (this rank, between steps): " + ", ".join(f"{tier} {count:,}" for tier, count in tier_bytes.items()),
             f"pass time: {seconds * 1000:.1f} ms",
         ] + list(extra_header or [])
+        layouts = ctx.captured.layouts
+        cached = ram_cache.describe_cached(((info.name, layouts[info.position]) for info in ctx.params.values()
+                                            if info.position in layouts), ctx.captured.options)
+        header += [cached] if cached else []
         filename = f"{ctx.kind}.{step:02d}_{stage}.py"
         self._write_graph(filename, header, gm)
         entry = {"stage": stage, "file": filename, "ops": sum(after.values()), "change": change}

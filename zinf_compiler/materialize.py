@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .adoption import adopt, model_mesh, plan_offload
+from .adoption import adopt, model_mesh, plan_offload, planned_as
 from .checkpoint import _aliases
 from .options import parse_options
 from .runtime.aio import human_bytes
@@ -111,6 +111,7 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
             real = real_by_meta.get(id(param))
             if real is None:
                 real = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                planned_as(real, param)  # (the RAM cache's choice for it)
                 real_by_meta[id(param)] = real
                 stored = _stored(files, names_by_id, param)
                 if stored is not None:

@@ -231,6 +231,11 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "process (4 per parameter), instead of swap files; saves a 4-byte write and read per parameter "
                "each step (auto: an eighth of the memory available at the first such compile, shared by the "
                "node's ranks; 0: every gradient in swap files)"),
+    OptionSpec("host_memory", None, _or_keyword("none", parse_bytes, "a byte count"),
+               "with an 'nvme' offload_param or offload_optimizer: host RAM this process may use (its models share "
+               "it); the optimizer states and parameter shards that save the most disk bytes per byte stay on the "
+               "cpu tier within it, the rest on NVMe (zinf_compiler/ram_cache.py: a quarter is left for "
+               "activations and the process itself); None: every state on its offload tier"),
     OptionSpec("overlap_optimizer", "auto", _or_keyword("auto", _boolean, "true or false"),
                "with the parameters and optimizer state on NVMe at stage 3 (and nvme_copies=2): step each "
                "parameter's optimizer state during backward, as its gradient lands, and commit it at opt.step() "
@@ -297,6 +302,7 @@ class ZinfOptions:
     aio_queue_depth: int
     aio_threads: int
     nvme_grad_ram_bytes: int | str
+    host_memory: int | None
     overlap_optimizer: bool | str
     nvme_copies: int
     pinned_bytes: int | str
@@ -392,6 +398,9 @@ def parse_options(
         raise ZinfOptionError("offload_optimizer needs a sharded optimizer: stage 1, 2 or 3 (got stage=0)")
     if "nvme" in (values["offload_param"], values["offload_optimizer"], values["offload_activations"]) and not values["nvme_path"]:
         raise ZinfOptionError("an 'nvme' offload needs nvme_path: set options={'nvme_path': '/path/to/fast/disk'}")
+    if values["host_memory"] is not None and "nvme" not in (values["offload_param"], values["offload_optimizer"]):
+        raise ZinfOptionError("host_memory sizes the RAM cache over the NVMe tier: it needs offload_param or "
+                              "offload_optimizer 'nvme'")
     return ZinfOptions(**values)
 
 
