@@ -122,21 +122,15 @@ def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_
     # hold budget they no longer use nor leave ranks with different garbage choosing differently.
     gc.collect()
     store.collect()
-    held = ram_cache.held_by_records(store.records()) + ram_cache.grad_bytes(plans, requires_grad)
-    items = ram_cache.cache_items(plans, requires_grad)
+    pinned = store.pinned.capacity_bytes if store.pinned is not None else 0
     # No pinned pool while nothing rests on NVMe; else it is made now (sized from every plan so far, as it
     # would be at the first swap) and its bytes come out of the budget.
-    pinned = store.pinned.capacity_bytes if store.pinned is not None else 0
-    chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
-    if len(chosen) < len(items) and store.pinned is None:
-        pinned = store.pinned_pool(0).capacity_bytes
-        chosen = ram_cache.choose_cached(items, ram_cache.states_budget(options.host_memory, pinned, held))
+    tiers_of = ram_cache.choose_tiers(plans, requires_grad, options.host_memory,
+                                      ram_cache.held_by_records(store.records()), pinned,
+                                      lambda: store.pinned_pool(0).capacity_bytes)
     cached_plans = []
-    for index, ((param, tile_rows), plan) in enumerate(zip(params, plans)):
-        whole = (index, ram_cache.WHOLE) in chosen
-        tiers = dict(param_tier="cpu" if whole or (index, ram_cache.SHARD) in chosen else plan.param_tier,
-                     opt_tier="cpu" if whole or (index, ram_cache.OPTIMIZER) in chosen else plan.opt_tier)
-        _CACHED_TIERS[param] = (tiers["param_tier"], tiers["opt_tier"])
-        unchanged = tiers == dict(param_tier=plan.param_tier, opt_tier=plan.opt_tier)
-        cached_plans.append(plan if unchanged else plan_of(param, tile_rows, **tiers))
+    for (param, tile_rows), plan, (param_tier, opt_tier) in zip(params, plans, tiers_of):
+        _CACHED_TIERS[param] = (param_tier, opt_tier)
+        unchanged = (param_tier, opt_tier) == (plan.param_tier, plan.opt_tier)
+        cached_plans.append(plan if unchanged else plan_of(param, tile_rows, param_tier=param_tier, opt_tier=opt_tier))
     return cached_plans

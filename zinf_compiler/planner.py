@@ -37,6 +37,7 @@ import torch
 
 from .adoption import plan_for
 from .options import ZinfOptions, parse_options
+from .ram_cache import choose_tiers
 from .runtime.param_plan import ParamPlan, choose_owner
 from .runtime.pool_sizes import auto_grad_ram_bytes, early_step_pool_bytes, parameter_pool_bytes
 from .runtime.host_memory import available_bytes, ranks_on_node
@@ -228,8 +229,7 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
         grad_ram = auto_grad_ram_bytes(available_bytes(), ranks_on_node())
     grad_ram_left = grad_ram
     recompute = options.activation_checkpointing != "none"
-    plans, read, write, collective, swap_space = [], 0, 0, 0, 0
-    host_stepped = 0  # fp32 elements the CPU optimizer steps (cpu and nvme optimizer tiers)
+    planned = []  # (param, plan) in adoption order
     for uid, (name, param) in enumerate(named):
         itemsize = torch.empty((), dtype=param.dtype).element_size() if param.dtype.is_floating_point else 1
         tile_rows = (tile_rows_for(name, param.shape, param.numel() * itemsize, options, world_size,
@@ -238,8 +238,21 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
         if options.partition == "broadcast" and options.stage > 0:
             owner = choose_owner(owned, world_size)
             owned[owner] = owned.get(owner, 0) + param.numel()
-        plan = plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=uid)
-        plans.append(plan)
+        planned.append((param, tile_rows, owner, plan_for(param, tile_rows, options, world_size, rank, owner=owner,
+                                                           uid=uid)))
+    # The pinned pool, where one is made: sized from every parameter's slice (adoption plans them all).
+    pool_bytes = (parameter_pool_bytes(max([p.local_numel * 4 for *_, p in planned] + [0]))
+                  if options.pinned_bytes == "auto" else int(options.pinned_bytes))
+    if options.host_memory is not None:  # the RAM cache's choice, as adoption makes it (zinf_compiler/ram_cache.py)
+        tiers = choose_tiers([p for *_, p in planned], [param.requires_grad for param, *_ in planned],
+                             options.host_memory, 0, 0, lambda: pool_bytes)
+        planned = [(param, tile_rows, owner, plan if (pt, ot) == (plan.param_tier, plan.opt_tier) else
+                    plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=plan.uid, param_tier=pt,
+                             opt_tier=ot))
+                   for (param, tile_rows, owner, plan), (pt, ot) in zip(planned, tiers)]
+    plans, read, write, collective, swap_space = [plan for *_, plan in planned], 0, 0, 0, 0
+    host_stepped = 0  # fp32 elements the CPU optimizer steps (cpu and nvme optimizer tiers)
+    for param, _, _, plan in planned:
         grad_in_ram = False
         if plan.opt_tier == "nvme" and plan.local_numel and plan.local_numel * 4 <= grad_ram_left:
             grad_in_ram, grad_ram_left = True, grad_ram_left - plan.local_numel * 4
@@ -254,10 +267,8 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
     if saved is not None:
         memory["device"]["activations"] = saved
     pinned = dict.fromkeys(("parameters", "activations", "early_optimizer"), 0)
-    offloaded = [p for p in plans if "nvme" in (p.param_tier, p.opt_tier)]  # (what reads and writes swap)
-    if offloaded:
-        pinned["parameters"] = (parameter_pool_bytes(max(p.local_numel * 4 for p in offloaded))
-                                if options.pinned_bytes == "auto" else int(options.pinned_bytes))
+    if any("nvme" in (p.param_tier, p.opt_tier) for p in plans):  # (what reads and writes swap)
+        pinned["parameters"] = pool_bytes
     early = [p for p in plans if p.step_in_backward and p.local_numel]
     if early:
         pinned["early_optimizer"] = early_step_pool_bytes(early)

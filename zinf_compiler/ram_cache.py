@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 # Of host_memory, the share left for activations and the process's own RSS.
 HEADROOM_FRACTION = Fraction(1, 4)
@@ -107,6 +107,28 @@ def choose_cached(items: Iterable[CacheItem], budget: int) -> set[tuple[int, str
             chosen.add((item.index, item.kind))
             left -= item.held_bytes
     return chosen
+
+
+def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: int, held_bytes: int,
+                 pinned_bytes: int, pool_if_needed: Callable[[], int]) -> list[tuple[str, str]]:
+    """``(param_tier, opt_tier)`` of each of ``plans`` (laid out for the nvme tiers) under ``host_memory``:
+    the cached states on the cpu tier, the rest as planned.
+
+    ``held_bytes``: what earlier graphs' records hold (:func:`held_by_records`), this graph's gradients are
+    added here; ``pinned_bytes``: the pinned pool's, if it exists; else, should some state stay on NVMe,
+    ``pool_if_needed()`` sizes (the store: makes) the pool, whose bytes then come out of the budget too.
+    """
+    held = held_bytes + grad_bytes(plans, requires_grad)
+    items = cache_items(plans, requires_grad)
+    chosen = choose_cached(items, states_budget(host_memory, pinned_bytes, held))
+    if len(chosen) < len(items) and not pinned_bytes:
+        chosen = choose_cached(items, states_budget(host_memory, pool_if_needed(), held))
+    tiers = []
+    for index, plan in enumerate(plans):
+        whole = (index, WHOLE) in chosen
+        tiers.append(("cpu" if whole or (index, SHARD) in chosen else plan.param_tier,
+                      "cpu" if whole or (index, OPTIMIZER) in chosen else plan.opt_tier))
+    return tiers
 
 
 def grad_bytes(plans: Sequence, requires_grad: Sequence[bool]) -> int:

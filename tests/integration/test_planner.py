@@ -78,3 +78,29 @@ def test_the_plan_counts_flops_and_saved_activations_and_refuses_nothing_to_back
     assert predicted.memory["device"]["activations"] > tokens * CFG.n_embd * 4 * CFG.n_layer
     with pytest.raises(ValueError, match="no tensor to run backward from"):
         zinf.plan(torch.nn.Identity(), (None,), {"stage": 3})
+
+
+def test_the_plan_follows_the_ram_cache_under_host_memory(tmp_path):
+    # A budget that keeps some parameters' states in RAM and leaves the rest on NVMe: the predicted split
+    # between the cpu and nvme tiers is the one the run makes (same choice function, same budget rule).
+    options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path),
+               "lower": "eager", "pinned_bytes": 256 << 10, "host_memory": 700 << 10}
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        blueprint = GPT(CFG)
+    predicted = zinf.plan(blueprint, (idx, idx), options)
+    assert predicted.memory["cpu"]["optimizer"] > 0 and predicted.memory["nvme"]["optimizer"] > 0  # a mix
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    compiled = torch.compile(model, backend="zinf", options=options)
+    opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled(idx, idx).backward()
+    opt.step()
+    compiled(idx, idx).backward()
+    report = zinf.memory_report(compiled)
+    slack = SLACK * len(list(model.parameters()))
+    for tier in ("cpu", "nvme"):
+        for kind in ("params", "grads", "optimizer"):
+            assert abs(report[tier][kind] - predicted.memory[tier][kind]) <= slack, (
+                tier, kind, report[tier][kind], predicted.memory[tier][kind])
+    opt.zero_grad()
