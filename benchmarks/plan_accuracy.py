@@ -46,6 +46,12 @@ CONFIGS = {
     "gpt-s2-cpu-w2": ("gpt", 2, {"stage": 2, "offload_optimizer": "cpu"}),
     "llama-s3-nvme-w1": ("llama", 1, {"stage": 3, **NVME}),
     "llama-s3-cpu-w2": ("llama", 2, {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}),
+    # Not in the run that calibrated zinf_compiler/planner.py's two RSS terms (session 20):
+    "gpt-s3-bf16-cpu-w1": ("gpt", 1, {"stage": 3, "param_dtype": "bf16", "offload_param": "cpu",
+                                      "offload_optimizer": "cpu"}),
+    "llama-s3-device-w1": ("llama", 1, {"stage": 3}),
+    "gpt-s3-cache-w1": ("gpt", 1, {"stage": 3, **NVME, "host_memory": 600 << 20}),
+    "gpt-s3-nvme-ckpt-w2": ("gpt", 2, {"stage": 3, **NVME, "activation_checkpointing": "block"}),
 }
 
 
@@ -89,11 +95,13 @@ def child(rank: int, world: int, name: str, args, out_dir: str) -> None:
     import zinf_compiler as zinf
     import torch.distributed as dist
 
+    kind = CONFIGS[name][0]
+    if kind == "llama":
+        import transformers  # noqa: F401  (the model's own library: part of the process before the model)
     imported = rss_bytes()
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    kind, _, options = CONFIGS[name]
-    options = dict(options)
+    options = dict(CONFIGS[name][2])
     if "nvme" in options.values():
         options["nvme_path"] = out_dir
     model = build(kind)

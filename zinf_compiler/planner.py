@@ -18,8 +18,11 @@ What it predicts, per rank (the rank holding the most):
 * ``disk_read`` / ``disk_write`` / ``collective``: bytes per step;
 * ``step``: seconds of compute (FLOPs at the probed matmul rate, a recompute
   forward added under activation checkpointing), disk and collectives at the
-  probed rates, and ``predicted`` = the longest of them plus the CPU optimizer's
-  pass over its state (memory-bound), which overlaps none of them.
+  probed rates, and ``predicted``: on an accelerator the longest of them, on a
+  CPU device their sum (they share its cores), plus the CPU optimizer's pass
+  over its state (memory-bound);
+* ``peak_rss(process_bytes)``: the rank's peak RSS, from the process's own
+  before the model and two calibrated terms (see :meth:`Prediction.peak_rss`).
 
 Approximations, stated: activations are what eager autograd saves (an upper
 bound under activation checkpointing, which saves less); the fp16 scaler's and
@@ -45,6 +48,14 @@ from .tile_plan import tile_rows_for
 
 TIERS = ("device", "cpu", "nvme")
 KINDS = ("params", "grads", "optimizer", "activations")
+# What compiling and running a model's graphs keeps in RSS beyond its tensors (Dynamo, AOTAutograd and
+# Inductor's state, the generated code, allocator slack): measured 89-157 MiB for the benchmark's GPT and
+# Llama (4 layers, width 512) at world size 1 (benchmarks/plan_accuracy.py, session 20).
+COMPILE_BYTES = 128 << 20
+# At world size > 1: gathered parameters and unreduced gradients in flight, in units of the whole model's
+# compute-dtype bytes (measured: 1.0-1.3 of them above COMPILE_BYTES at world size 2, stages 2 and 3).
+# An overestimate for a model far larger than its buckets (max_live_bytes bounds the gathered ones).
+IN_FLIGHT_MODELS = 1
 # Bytes the CPU Adam pass moves per fp32 element it steps: it reads the master, two moments and the
 # gradient and writes the master and two moments.
 ADAM_BYTES_PER_ELEMENT = 7 * 4
@@ -63,6 +74,7 @@ class Prediction:
     disk_read: int
     disk_write: int
     collective: int
+    model_bytes: int = 0  # the whole model's parameters in compute dtype
     flops: int | None = None
     step: dict[str, float] | None = None
 
@@ -80,9 +92,14 @@ class Prediction:
 
 
     def peak_rss(self, process_bytes: int) -> int:
-        """The rank's predicted peak RSS: ``process_bytes`` (the process before the model: Python, torch and
-        zinf imported, as :func:`process_rss` measures it) plus :meth:`host_bytes`."""
-        return process_bytes + self.host_bytes()
+        """The rank's predicted peak RSS: ``process_bytes`` (the process before the model is built: Python,
+        torch, zinf and the model's own libraries imported), :meth:`host_bytes`, what compiling and running
+        the graphs keeps (:data:`COMPILE_BYTES`) and, at world size > 1, the collectives' staging: the
+        gathered parameters and the unreduced gradients in flight, one model's worth of compute-dtype bytes
+        (:data:`IN_FLIGHT_MODELS`).  The last two are calibrated (benchmarks/plan_accuracy.py, RESULTS.md).
+        """
+        in_flight = IN_FLIGHT_MODELS * self.model_bytes if self.world_size > 1 else 0
+        return process_bytes + self.host_bytes() + COMPILE_BYTES + in_flight
 
 
 def _state_bytes(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool) -> dict[str, dict[str, int]]:
@@ -274,18 +291,23 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
     if profile is not None and flops is not None:
-        step = _step_seconds(flops, recompute, read, write, collective, host_stepped, profile, sharing)
+        step = _step_seconds(flops, recompute, read, write, collective, host_stepped, profile, sharing,
+                             overlapped=plans[0].device.type == "cuda" if plans else False)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
+    model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
     return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
                       swap_space=swap_space, disk_read=read, disk_write=write, collective=collective,
-                      flops=flops, step=step)
+                      model_bytes=model_bytes, flops=flops, step=step)
 
 
 def _step_seconds(flops: int, recompute: bool, read: int, write: int, collective: int,
-                  host_stepped: int, profile: Any, sharing: int) -> dict[str, float | None]:
+                  host_stepped: int, profile: Any, sharing: int, overlapped: bool) -> dict[str, float | None]:
     """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring);
-    ``sharing`` ranks move their bytes through one disk and one memory bus at once."""
+    ``sharing`` ranks move their bytes through one disk and one memory bus at once.  ``overlapped`` (an
+    accelerator computes): the disk and the collectives hide under the compute, the step is the longest of
+    them; on a CPU device the compute, the I/O's own CPU work and the optimizer share the cores, and the
+    parts add up (measured: benchmarks/plan_accuracy.py)."""
     compute = flops * (4 / 3 if recompute else 1) / profile.matmul_flops
     disk = 0.0
     if read or write:
@@ -295,7 +317,8 @@ def _step_seconds(flops: int, recompute: bool, read: int, write: int, collective
     wire = (collective / profile.collective if profile.collective else None) if collective else 0.0
     optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.memory_bandwidth
     return {"compute": compute, "disk": disk, "collective": wire, "optimizer": optimizer,
-            "predicted": max(compute, disk, wire or 0.0) + optimizer}
+            "predicted": (max(compute, disk, wire or 0.0) if overlapped else compute + disk + (wire or 0.0))
+            + optimizer}
 
 
 def _unique_named_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
