@@ -35,7 +35,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The default run: the default lowering on the device tier and the NVMe tiers with tiling; --all the rest.
+DEFAULT = ("stage3-device-inductor", "stage3-nvme-tiled")
+
+
+@pytest.mark.parametrize("case", [case if case in DEFAULT else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in CASES])
 def test_the_plan_predicts_what_memory_report_then_shows(case, tmp_path):
     options = dict(CASES[case])
     if "nvme" in options.values():
@@ -107,6 +112,7 @@ print(json.dumps({"predicted": predicted.memory, "report": {t: report[t] for t i
 """
 
 
+@pytest.mark.slow  # a process of its own (about 10 s)
 def test_the_plan_follows_the_ram_cache_under_host_memory(tmp_path):
     # A budget that keeps some parameters' states in RAM and leaves the rest on NVMe: the predicted split
     # between the cpu and nvme tiers is the one the run makes (same choice function, same budget rule).

@@ -41,6 +41,7 @@ def test_tp_by_dp_stage3_inductor_cpu_offload_equals_eager():
     _assert_equals_eager(run_ranks(4, "tp_worker", {"mesh": "dp", "steps": 3, "options": options}, timeout=300))
 
 
+@pytest.mark.slow  # world 4 twice; the error paths of what the equality test above trains
 def test_tp_refusals():
     """A DTensor parameter at stage 1-2 (its gradient would be lost: losses constant), and a mesh that spans
     tp ranks (which would silently train tp rank 0's slice everywhere), are clear errors on every rank."""
@@ -50,6 +51,7 @@ def test_tp_refusals():
         assert "hold different tensor-parallel slices" in result["error"]
 
 
+@pytest.mark.slow  # world 4 once more
 def test_tp_checkpoint_is_refused_clearly(tmp_path):
     """zinf.save needs a mesh over every rank; a dp mesh of a tp x dp layout is refused, not half-saved."""
     for result in run_ranks(4, "tp_worker", {"mesh": "dp", "checkpoint": str(tmp_path)}, timeout=300):
