@@ -56,7 +56,7 @@ def _train_side_by_side(tmp_path, freeze: str | None = None, **options):
     return compiled, opt
 
 
-@pytest.mark.parametrize("copies, group_numel", [(1, None), (2, None), (1, 1024)])
+@pytest.mark.parametrize("copies, group_numel", [(1, None), (2, None), pytest.param(1, 1024, marks=pytest.mark.slow)])
 def test_fp32_parameters_on_nvme_have_one_copy_on_disk(tmp_path, monkeypatch, copies, group_numel):
     if group_numel is not None:  # several optimizer sub-groups (master keys) per parameter, each read in place
         monkeypatch.setattr(swap_layout.sub_groups, "__defaults__", (group_numel,))

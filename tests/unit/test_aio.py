@@ -602,7 +602,7 @@ def test_stale_swap_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp
     assert not os.path.exists(live_folder)  # its own exit removed it
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_swap_folder_is_removed_when_the_process_is_terminated_or_interrupted(signum, tmp_path):
     import subprocess
     import sys
