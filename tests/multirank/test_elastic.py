@@ -16,11 +16,13 @@ their environment: torchrun starts workers in their own sessions).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -75,16 +77,31 @@ class Torchrun:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"torchrun still running after {timeout} s (killed):\n{self.output()[-6000:]}")
+            stuck = self.kill(dump_stacks=True)
+            raise AssertionError(f"torchrun still running after {timeout} s; killed {stuck}:\n{self.output()[-8000:]}")
 
-    def kill(self) -> None:
-        for pid in _processes_marked(self.marker):
+    def kill(self, dump_stacks: bool = False) -> list[str]:
+        """SIGKILL the agent and its workers; ``dump_stacks``: first SIGABRT them (PYTHONFAULTHANDLER prints
+        every thread's stack into the log).  Returns the command lines of those still alive."""
+        pids = _processes_marked(self.marker)
+        alive = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    command = cmdline.read().replace(b"\0", b" ").decode()
+                alive.append(f"{pid}: {command[-200:]}")
+        if dump_stacks and pids:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGABRT)
+            time.sleep(2)
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        return alive
 
     def output(self) -> str:
         with open(self.log) as log:
