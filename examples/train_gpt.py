@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = zinf.load(checkpoint, compiled, opt)
         schedule.load_state_dict(extra["schedule"])
         first_step = extra["step"] + 1
-        say(f"resumed from {checkpoint} at step {first_step}, world {world} (saved at world {extra['world']}; "
-            f"torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)})", flush=True)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun
+        say(f"resumed from {checkpoint} at step {first_step}, world {world} (saved at world {extra['world']}"
+            f"{f'; torchrun restart {restart}' if restart else ''})", flush=True)
     first_loss = loss_value = None
     started = last_log = time.perf_counter()
     tokens_since_log = 0
