@@ -69,7 +69,10 @@ class Torchrun:
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", *torchrun_args, script, *script_args],
-                env=worker_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+                # A store per attempt for the workers' process group: on torchrun's shared rendezvous store a
+                # restarted rank 0 can read the dead attempt's gloo addresses (seen: "Gloo connectFullMesh
+                # failed ... Connection refused" to the killed rank's old port, 1 restart in 3).
+                env=worker_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
                                PYTHONWARNINGS="ignore::FutureWarning", **{name: value}, **env),
                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
