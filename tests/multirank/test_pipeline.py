@@ -40,26 +40,22 @@ def test_pipeline_stage3_nvme_equals_eager(schedule, grad_ram):
                                    timeout=300))
 
 
-def test_pipeline_gathers_each_unit_once_per_step():
-    """The traced step (the second) all-gathers each of a stage's units once by default, for all 4
-    micro-batches' forwards and backwards; with gather_once=False once per micro-batch and pass."""
-    once = run_ranks(4, "pp_worker", {"schedule": "1f1b", "steps": 3, "trace": True}, timeout=300)
+@pytest.mark.slow  # world 4 twice: about a minute
+def test_pipeline_gathers_once_per_step_not_per_micro_batch():
+    """Step 2's all-gathers (the communicator's count): with gather_once (default) each stage gathers its
+    forward's and its backward's units once for all 4 micro-batches; with gather_once=False once per
+    micro-batch and pass, 4x as many.  (The forward and backward graphs gather their parameters as
+    different units, so the default is 2 x units per step, not units: see docs/notes/pipeline.md.)"""
+    once = run_ranks(4, "pp_worker", {"schedule": "1f1b", "steps": 3}, timeout=300)
+    per_use = run_ranks(4, "pp_worker", {"schedule": "1f1b", "steps": 3, "gather_once": False}, timeout=300)
     _assert_equals_eager(once)
-    for result in once:
-        traced = result["traced_gathers"]
-        assert traced["units"] > 0 and traced["gathers"] == traced["units"], traced
-
-
-@pytest.mark.slow  # world 4 once more
-def test_pipeline_gather_per_micro_batch_option():
-    per_use = run_ranks(4, "pp_worker", {"schedule": "gpipe", "steps": 3, "trace": True, "gather_once": False},
-                        timeout=300)
     _assert_equals_eager(per_use)
-    for result in per_use:
-        traced = result["traced_gathers"]
-        assert traced["gathers"] == 2 * MICRO_BATCHES * traced["units"], traced  # forward and backward
+    for held, each in zip(once, per_use):
+        assert held["calls"][1]["all_gather"] > 0
+        assert each["calls"][1]["all_gather"] == MICRO_BATCHES * held["calls"][1]["all_gather"], (held, each)
 
 
+@pytest.mark.slow  # world 4 three times (no compile)
 def test_pipeline_refusals():
     """The whole (pp, dp) mesh, or none (every rank), as a stage's zinf mesh, and stages that disagree on
     the tensor between them: a clear error on every rank when the stages are built, before any step."""

@@ -125,7 +125,7 @@ def main():
         result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if args.get("trace"):
             summary = RUNTIME.tracer.last_summary or {}
-            result["traced_gathers"] = _traced_gathers(options["dump_dir"])
+            result["traced_gathers"] = _traced_gathers(RUNTIME.tracer.last_files[0])
             result["traced_gg_bytes"] = summary.get("track_bytes", {}).get("gg")
         full = zinf.full_state_dict(compiled)
         per_stage = BLOCKS // 2
@@ -144,16 +144,16 @@ def main():
     finish_rank()
 
 
-def _traced_gathers(dump_dir: str) -> dict:
+def _traced_gathers(trace_path: str) -> dict:
     """The all-gathers (track ``gg``) of the traced step, read from its Chrome trace: how many, and of how
     many units (each interval is named after its unit)."""
-    with open(os.path.join(dump_dir, "trace.json")) as handle:
+    with open(trace_path) as handle:
         events = json.load(handle)["traceEvents"]
     tracks = {event["tid"]: event["args"]["name"] for event in events
               if event["ph"] == "M" and event["name"] == "thread_name"}
     names = [event["name"] for event in events if event["ph"] == "X" and tracks[event["tid"]] == "gg"
-             and event["name"].startswith("all_gather of")]  # (not the agreement's small all-gathers)
-    return {"gathers": len(names), "units": len(set(names))}
+             and "agreement" not in event["name"]]  # (not the agreement's small all-gathers)
+    return {"gathers": len(names), "units": len(set(names)), "names": sorted(set(names))}
 
 
 if __name__ == "__main__":
