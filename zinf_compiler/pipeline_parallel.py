@@ -65,6 +65,7 @@ class ZinfPipelineStage(PipelineStage):
         self._holding: set = set()  # the model groups whose gathers this stage holds now
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, *rest, **more):
+        """torch's forward of one micro-batch, inside the step's hold of gathered parameters."""
         if fwd_chunk_id == 0:
             self._end_hold()  # a step that raised half way left its hold open: its values may be stale
         self._hold()
@@ -73,6 +74,7 @@ class ZinfPipelineStage(PipelineStage):
         return output
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, last_backward: bool = False, **kwargs):
+        """torch's backward of one micro-batch; the step's last one ends the hold."""
         try:
             return super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
         finally:
