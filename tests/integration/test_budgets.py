@@ -74,8 +74,12 @@ def test_a_small_budget_chooses_the_ram_cache_over_nvme_and_trains_equal_to_eage
                for record in caplog.records)
 
     expected = _train(None)
-    losses = _train(options)  # the default lowering (Inductor)
+    dumps = tmp_path / "dumps"
+    losses = _train({**options, "dump_dir": str(dumps), "trace_step": 0})  # the default lowering (Inductor)
     torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+    # ... and the dumps name what the RAM cache holds.
+    assert any(f"ram cache (ram_cache_bytes {options['ram_cache_bytes']:,} bytes)" in dump.read_text()
+               for dump in dumps.rglob("*.py"))
     tiers = {(record.plan.param_tier, record.plan.opt_tier) for record in RUNTIME.store.records()
              if record.plan.numel > 1000}
     assert any("cpu" in pair for pair in tiers) and any("nvme" in pair for pair in tiers)
