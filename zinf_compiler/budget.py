@@ -253,6 +253,7 @@ def describe_choice(chosen: Prediction) -> str:
     for prediction in chosen.candidates:
         mark = "**chosen**: " if prediction is chosen else ""
         fits = "yes" if _fits(prediction, {**dict.fromkeys(BUDGETS), **budgets}) else "no"
-        lines.append(f"| {mark}{_shown(prediction.compile_options())} | {prediction.predicted_rss / 2**20:,.0f} | "
+        shown = {k: v for k, v in prediction.compile_options().items() if k != "host_memory"}  # (the budget)
+        lines.append(f"| {mark}{_shown(shown)} | {prediction.predicted_rss / 2**20:,.0f} | "
                      f"{prediction.tier_total('device') / 2**20:,.1f} | {fits} | {prediction.step['predicted']:.3f} |")
     return "\n".join(lines)
