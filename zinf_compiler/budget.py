@@ -79,11 +79,20 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
          world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None,
          process_bytes: int | None = None) -> Prediction:
     """``zinf.plan``: the planner's prediction for ``options`` (zinf_compiler/planner.py), or, where they name
-    a budget (host_memory or device_memory), the prediction of the option set :func:`choose` picks."""
+    a budget (:func:`is_budget`), the prediction of the option set :func:`choose` picks."""
     options = dict(options or {})
-    if all(options.get(name) is None for name in BUDGETS):
+    if not is_budget(options):
         return plan_options(model, example_inputs, options, world_size, profile, ranks_per_node)
     return choose(model, example_inputs, options, world_size, profile, ranks_per_node, process_bytes)
+
+
+def is_budget(options: Mapping) -> bool:
+    """Whether ``options`` name a budget to choose under: device_memory, or host_memory without an 'nvme'
+    offload set (with one, host_memory is the RAM cache's budget, as the compile reads it: planned as such)."""
+    if options.get("device_memory") is not None:
+        return True
+    return (options.get("host_memory") is not None
+            and "nvme" not in (options.get("offload_param"), options.get("offload_optimizer")))
 
 
 def choose(model: torch.nn.Module, example_inputs: Sequence[Any] | None, options: Mapping, world_size: int | None = None,

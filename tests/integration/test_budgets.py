@@ -106,6 +106,10 @@ def test_options_set_explicitly_win_and_are_checked_against_the_budget(tmp_path)
     with pytest.raises(zinf.BudgetError, match=r"options set \(stage=3, offload_param=cpu, offload_optimizer=cpu\)"):
         zinf.plan(_blueprint(), BATCHES[0], {**in_ram, "host_memory": _peak(in_ram) - (1 << 20)},
                   process_bytes=PROCESS_BYTES)
+    # With an nvme offload set, host_memory is the RAM cache's budget, planned as the compile reads it.
+    as_compiled = zinf.plan(_blueprint(), BATCHES[0], {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+                                                       "nvme_path": str(tmp_path), "host_memory": "1GiB"})
+    assert as_compiled.candidates == [] and as_compiled.options["host_memory"] == "1GiB"
     # At compile, a budget alone chooses nothing: an error that says where the choice is made.
     with pytest.raises(zinf.ZinfOptionError, match="zinf.plan"):
         zinf.parse_options({"host_memory": "0.5"})
