@@ -25,7 +25,7 @@ def _assert_equals_eager(results):
         assert result["graphs"] == 1, result["graphs"]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])  # the default run: 1F1B
 def test_pipeline_stage3_equals_eager(schedule):
     _assert_equals_eager(run_ranks(4, "pp_worker", {"schedule": schedule, "steps": 3}, timeout=300))
 
