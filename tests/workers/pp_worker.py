@@ -101,7 +101,7 @@ def main():
         outputs = torch.empty(micro_rows, WIDTH, requires_grad=True)
         stage = ZinfPipelineStage(compiled, pp_rank, 2, torch.device("cpu"), input_args=inputs,
                                   output_args=outputs, group=mesh["pp"].get_group(),
-                                  gather_once=args.get("gather_once", True))
+                                  gather_once=args.get("gather_once", "auto"))
         schedule = SCHEDULES[args["schedule"]](stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         optimizer = zinf.optim.AdamW(module.parameters(), **ADAMW)
         losses, calls = [], []
