@@ -20,13 +20,13 @@ torch's own ``PipelineStage`` is not enough:
   pipeline's receives).  Checked when the stage is built, from the options it was compiled with, on
   every rank before any collective.
 
-* **Gathered once per step** (``gather_once=True``): from the step's first forward to its last backward
-  the stage's parameters stay gathered (the store's hold, runtime/store_fetch.py), so each unit is
-  all-gathered once per step, not once per micro-batch and pass.  That holds the stage's whole parameters
-  on the device for the step; ``gather_once=False`` gathers per use, as without pipelining.  The default,
-  ``"auto"``, holds with ``lower="eager"`` only: under Inductor the held values came out wrong (parameters
-  20-30% off eager after 3 steps, 1F1B, measured in session 21; the generated code likely reuses or frees
-  a buffer it believes its own), so there ``gather_once=True`` is refused until that is understood.
+* **Gathered once per step** (``gather_once=True``, the default): from the step's first forward to its
+  last backward the stage's parameters stay gathered (the store's hold, runtime/store_fetch.py, keyed by
+  parameter), so each is all-gathered once per step, not once per micro-batch and pass (the forward and
+  backward graphs bucket them differently: the backward's units are served from the forward's values).
+  That holds the stage's whole parameters on the device for the step; ``gather_once=False`` gathers per
+  use, as without pipelining.  Any lowering: each use gets its own copy of the held values, which the
+  compiled graph may overwrite (Inductor reuses an op output's buffer after its last use).
 
 Gradients are reduce-scattered once per micro-batch's backward and accumulated into the shards (as with
 gradient accumulation without pipelining).  docs/notes/pipeline.md has the measured counts and what is left.
@@ -54,21 +54,13 @@ class ZinfPipelineStage(PipelineStage):
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device,
                  input_args=None, output_args=None, group: dist.ProcessGroup | None = None, *,
-                 gather_once: bool | str = "auto", **kwargs):
+                 gather_once: bool = True, **kwargs):
         if input_args is None or output_args is None:
             raise ZinfPipelineError(
                 f"pipeline stage {stage_index}: zinf needs the stage's shapes up front: pass input_args and "
                 f"output_args (one micro-batch's example tensors, requires_grad=True where a gradient flows "
                 f"between stages). Without them torch infers the shapes by running a backward at the first "
                 f"step, whose gradients zinf would add to that step's.")
-        lower = (compile_options(submodule) or {}).get("lower", "inductor")
-        if gather_once == "auto":
-            gather_once = lower == "eager"
-        elif gather_once is True and lower != "eager":
-            raise ZinfPipelineError(
-                f"pipeline stage {stage_index}: gather_once=True is not supported with lower={lower!r} yet "
-                f"(the held parameters came out wrong under Inductor): pass gather_once=False (gathers per "
-                f"micro-batch), or compile the stage with options lower='eager'.")
         _agree_on_stages(submodule, stage_index, group, input_args, output_args)
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group, **kwargs)
@@ -93,7 +85,7 @@ class ZinfPipelineStage(PipelineStage):
                 self._end_hold()
 
     def _hold(self) -> None:
-        """gather_once: from the step's first forward to its last backward, each unit of the stage is
+        """gather_once: from the step's first forward to its last backward, each parameter of the stage is
         gathered once (runtime/store_fetch.py, hold_gathers), not once per micro-batch and pass."""
         if not self.gather_once or self._holding or not (self.has_backward and torch.is_grad_enabled()):
             return
