@@ -253,4 +253,6 @@ class FetchSteps:
             record.ledger.transient["device"] = 0
         for group, holding in self._held_gathers.items():  # held values stay gathered between calls
             self._add_transient("device", sum(map(nbytes_of, holding.values())), ledger=group.ledger)
+        for group, hold in self._held_grads.items():  # and held gradients summed
+            self._add_transient("device", hold.nbytes(), ledger=group.ledger)
 

@@ -5,7 +5,7 @@ its data-parallel ranks (``mesh["dp"]``), wrapped in ``ZinfPipelineStage`` and d
 ``ScheduleGPipe`` or ``Schedule1F1B`` with 4 micro-batches per dp rank, then stepped by zinf's AdamW.
 The reference is the whole model in eager on the whole batch (both dp ranks' rows), torch's AdamW.
 Records the losses (last stage), the stage's parameters after the steps, the collectives per step (and
-the all-gathers of each micro-batch's forward), the all-gathers of the traced step, and Dynamo's graph
+the all-gathers of each micro-batch's forward, the reduce-scatters of each backward), the all-gathers of the traced step, and Dynamo's graph
 count; or the error raised.
 """
 
@@ -102,8 +102,11 @@ def main():
         outputs = torch.empty(micro_rows, WIDTH, requires_grad=True)
         stage = ZinfPipelineStage(compiled, pp_rank, 2, torch.device("cpu"), input_args=inputs,
                                   output_args=outputs, group=mesh["pp"].get_group(),
-                                  gather_once=args.get("gather_once", True))
-        forward_gathers = _count_forward_gathers(stage)
+                                  gather_once=args.get("gather_once", True),
+                                  reduce_once=args.get("reduce_once", True))
+        per_micro_batch = {"forward_all_gathers": _count_per_micro_batch(stage, "forward_one_chunk", "all_gather"),
+                           "backward_reduce_scatters": _count_per_micro_batch(stage, "backward_one_chunk",
+                                                                              "reduce_scatter")}
         schedule = SCHEDULES[args["schedule"]](stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         optimizer = zinf.optim.AdamW(module.parameters(), **ADAMW)
         losses, calls = [], []
@@ -122,8 +125,9 @@ def main():
             optimizer.step()
             optimizer.zero_grad()
             calls.append({kind: count - before.get(kind, 0) for kind, count in RUNTIME.comm.calls.items()})
-            calls[-1]["forward_all_gathers"] = forward_gathers[:]
-            forward_gathers.clear()
+            for name, counts in per_micro_batch.items():
+                calls[-1][name] = counts[:]
+                counts.clear()
         result["zinf_losses"] = losses
         result["calls"] = calls
         result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -148,17 +152,18 @@ def main():
     finish_rank()
 
 
-def _count_forward_gathers(stage) -> list[int]:
-    """A list that gets the all-gathers of each micro-batch's forward (the stage's forward graph alone)."""
-    counts, forward = [], stage.forward_one_chunk
+def _count_per_micro_batch(stage, method: str, kind: str) -> list[int]:
+    """A list that gets the collectives of ``kind`` run by each call of the stage's ``method`` (one
+    micro-batch's forward or backward)."""
+    counts, run = [], getattr(stage, method)
 
-    def counting_forward(*args, **kwargs):
-        before = RUNTIME.comm.calls.get("all_gather", 0)
-        output = forward(*args, **kwargs)
-        counts.append(RUNTIME.comm.calls.get("all_gather", 0) - before)
+    def counting(*args, **kwargs):
+        before = RUNTIME.comm.calls.get(kind, 0)
+        output = run(*args, **kwargs)
+        counts.append(RUNTIME.comm.calls.get(kind, 0) - before)
         return output
 
-    stage.forward_one_chunk = counting_forward
+    setattr(stage, method, counting)
     return counts
 
 
