@@ -144,7 +144,8 @@ class FetchSteps:
             transfer = self._transfers.move(unit, "gather_start", source, State.GATHERING)
             if transfer.value is not None:  # staged on the device before the values were held
                 self._add_transient("device", -nbytes_of(transfer.value), ledger=group.ledger)
-            transfer.work, transfer.value = DONE, None
+            transfer.work, transfer.value = DONE, None  # (gather_wait copies the held values)
+            self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=group.ledger)
             return
         transfer, local = self._start_gather_from_local_input(unit)
         self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=group.ledger)
@@ -159,11 +160,8 @@ class FetchSteps:
         transfer = self._transfers.move(unit, "gather_wait", State.GATHERING, State.DONE)
         matrix = transfer.value
         transfer.work.wait()
-        held = self._held_values(unit)
-        if held is not None:
-            if matrix is not None:  # a gather started before the first one of this hold had finished
-                self._add_transient("device", -unit.sizes.gathered, ledger=self._group_of(unit).ledger)
-            return list(held)
+        if matrix is None:  # gather_start found the unit held: the graph gets copies it may overwrite
+            return [value.clone() for value in self._held_values(unit)]
         group = self._group_of(unit)
         # A bucket's values are copied out of the matrix; both exist until this returns.
         copy_out = unit.sizes.copy_out
@@ -180,8 +178,12 @@ class FetchSteps:
             if copy_out:
                 self._add_transient("device", -copy_out, ledger=group.ledger)
         holding = self._held_gathers.get(group)
-        if holding is not None:  # kept (and counted) until the hold ends, for the unit's next uses
-            holding[unit.key] = (unit, values)
+        if holding is not None:  # a copy is kept (and counted) until the hold ends, for the next uses
+            for piece, value in zip(unit.pieces, values):
+                if (piece.layout.uid, piece.tile) not in holding:
+                    holding[piece.layout.uid, piece.tile] = value.clone()
+                    self._add_transient("device", nbytes_of(value), what=f"hold of {piece.layout.name}",
+                                        ledger=group.ledger)
         return values
 
     def release(self, unit: Unit) -> None:
@@ -190,37 +192,41 @@ class FetchSteps:
         The memory itself goes when the graph drops its last reference, right
         after this op (the generated code frees values after their last use).
         """
-        if self._held_values(unit) is not None:
-            return  # still held: counted until the hold ends
         self._add_transient("device", -unit.sizes.gathered, ledger=self._group_of(unit).ledger)
 
     # --- holding gathered values across calls (pipeline micro-batches) ---------------------------
     #
     # A pipeline stage runs its graphs once per micro-batch, forward and backward.  While a hold on
-    # the stage's model is open, a unit's first gather keeps its values; its later gathers (the
-    # other micro-batches, the backward re-gathers) return them without a collective, and the fetch
-    # steps before them (nc, cg) only move their transfer's state along, so the graph's ops pair as
-    # always.  The values count as gathered device bytes until the hold ends.  Whoever opens a hold
-    # must end it before the parameters change (the optimizer step): the values would be stale.
+    # the stage's model is open, each parameter's first gather keeps a copy of its value (keyed by
+    # parameter and tile, not by unit: the forward and backward graphs bucket the same parameters
+    # into different units); a later gather of a unit whose every piece is held runs no collective,
+    # and the fetch steps before it (nc, cg) only move their transfer's state, so the graph's ops
+    # pair as always.  Each use gets a fresh copy of the held values, never the held tensors: the
+    # graph owns what gather_wait returns, and Inductor's memory planning reuses an op output's
+    # storage after its last use (the backward wrote fc2.weight's gradient into the gathered
+    # fc2.weight, same shape: "buf8 = buf3; del buf3  # reuse").  The held values count as device
+    # bytes until the hold ends.  Whoever opens a hold must end it before the parameters change (the
+    # optimizer step): the values would be stale.
 
     def hold_gathers(self, groups) -> None:
-        """Keep each unit of the model ``groups`` gathered once from now until :meth:`end_held_gathers`."""
+        """Keep each parameter of the model ``groups`` gathered once from now to :meth:`end_held_gathers`."""
         for group in groups:
             self.end_held_gathers([group])
             self._held_gathers[group] = {}
 
     def end_held_gathers(self, groups) -> None:
-        """Drop the values held for ``groups`` (their memory goes with the last graph that used them)."""
+        """Drop the values held for ``groups``."""
         for group in groups:
-            for unit, _ in self._held_gathers.pop(group, {}).values():
-                self._add_transient("device", -unit.sizes.gathered, ledger=group.ledger)
+            held_bytes = sum(map(nbytes_of, self._held_gathers.pop(group, {}).values()))
+            self._add_transient("device", -held_bytes, ledger=group.ledger)
 
     def _held_values(self, unit: Unit) -> list[torch.Tensor] | None:
-        """The unit's values held by an open hold, or None (no hold, or not gathered yet in it)."""
+        """The values of the unit's pieces held by an open hold, or None (no hold, or not all held yet)."""
         holding = self._held_gathers.get(self._group_of(unit)) if self._held_gathers else None
-        entry = holding.get(unit.key) if holding is not None else None
-        return entry[1] if entry is not None else None
-
+        if not holding:
+            return None
+        values = [holding.get((piece.layout.uid, piece.tile)) for piece in unit.pieces]
+        return None if any(value is None for value in values) else values
 
     def abandon_transfers(self) -> None:
         """Forget every transfer in flight (a graph raised half way): give back pinned buffers and counted bytes.
@@ -246,6 +252,7 @@ class FetchSteps:
         for record in self._records.values():
             record.ledger.transient["device"] = 0
         for group, holding in self._held_gathers.items():  # held values stay gathered between calls
-            for unit, _ in holding.values():
-                self._add_transient("device", unit.sizes.gathered, ledger=group.ledger)
+            self._add_transient("device", sum(map(nbytes_of, holding.values())), ledger=group.ledger)
+        for group, hold in self._held_grads.items():  # and held gradients summed
+            self._add_transient("device", hold.nbytes(), ledger=group.ledger)
 

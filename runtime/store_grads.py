@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -15,6 +16,17 @@ from .transfers import TransferState as State
 from .records import (DONE, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
                       tier_memory)
 from .units import Unit
+
+
+@dataclasses.dataclass(eq=False)
+class GradHold:
+    """A model's gradients summed over a pipeline step's backwards (see hold_grads)."""
+
+    sums: dict = dataclasses.field(default_factory=dict)  # unit key -> its pieces' summed flat gradients
+    last: bool = False  # the next backward reduces the sums
+
+    def nbytes(self) -> int:
+        return sum(nbytes_of(flat) for flats in self.sums.values() for flat in flats)
 
 
 class GradientSteps:
@@ -49,6 +61,11 @@ class GradientSteps:
                 if unit.compute_dtype == torch.float16:
                     flat = flat * group.fp16_scaler.scale  # keep small gradients representable in fp16
                 flats.append(flat)
+            hold = self._held_grads.get(group)
+            if hold is not None and (flats := self._add_held_sum(unit, flats, hold)) is None:
+                transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
+                transfer.work = DONE  # summed into the hold: nothing to reduce or add
+                return
             if unit.sizes.reduce == 0:
                 # World size 1: nothing to average; add each gradient into its shard now, holding nothing.
                 for piece, row in zip(unit.pieces, padded_rows(unit, flats)):
@@ -246,6 +263,53 @@ class GradientSteps:
             f"then call opt.zero_grad() (it discards the incomplete gradients) and run the backward again. "
             f"The first failure: {first}"
         ) from first
+
+    # --- holding gradients across calls (pipeline micro-batches) ---------------------------------
+    #
+    # While a model's gradient hold is open, reduce_grad_start sums each unit's gradients on the
+    # device (by unit: the backward graph reduces the same units in every micro-batch) and reduces
+    # nothing; in the backward that the hold marks last (a pipeline step's last) it reduces its
+    # gradients plus the sum: one reduce per unit per step.  Reducing is linear, so the result is the
+    # per-micro-batch reduces' sum.  Costs the units' unsharded gradients on the device for the step.
+
+    def hold_grads(self, groups) -> None:
+        """Sum the gradients of the model ``groups`` over backwards from now, unreduced (drops a stale hold)."""
+        self.end_held_grads(groups, reduced=False)
+        for group in groups:
+            self._held_grads[group] = GradHold()
+
+    def reduce_held_grads_next(self, groups) -> None:
+        """The next backward of ``groups`` reduces each unit's gradients plus its held sum."""
+        for group in groups:
+            self._held_grads[group].last = True
+
+    def end_held_grads(self, groups, reduced: bool = True) -> None:
+        """End the hold: after the backward that reduced the sums (``reduced``: one left unreduced raises),
+        or dropping them (a step that raised half way)."""
+        for group in groups:
+            hold = self._held_grads.pop(group, None)
+            if hold is None:
+                continue
+            self._add_transient("device", -hold.nbytes(), ledger=group.ledger)
+            if reduced and hold.sums:
+                raise ZinfStoreError(f"{len(hold.sums)} units' gradients were held over the micro-batches and "
+                                     f"not reduced by the last backward (its graph reduced other units)")
+
+    def _add_held_sum(self, unit: Unit, flats: list[torch.Tensor], hold: "GradHold") -> list[torch.Tensor] | None:
+        """``flats`` plus the unit's held sum, to reduce now (the hold's last backward), or None: summed."""
+        group = self._group_of(unit)
+        held = hold.sums.pop(unit.key, None)
+        if held is not None:
+            self._add_transient("device", -sum(map(nbytes_of, held)), ledger=group.ledger)
+            flats = [flat + total for flat, total in zip(flats, held)]
+        if hold.last:
+            return flats
+        if held is None:  # (a copy: the graph may reuse its gradients' buffers)
+            flats = [flat.clone() for flat in flats]
+        hold.sums[unit.key] = flats
+        self._add_transient("device", sum(map(nbytes_of, flats)), what=f"held gradients of {unit.name}",
+                            ledger=group.ledger)
+        return None
 
     def scale_grads(self, records: Iterable[ParamRecord], factor: float) -> None:
         """Multiply the accumulated gradients of ``records`` by ``factor`` (a pipeline schedule's

@@ -20,16 +20,21 @@ torch's own ``PipelineStage`` is not enough:
   pipeline's receives).  Checked when the stage is built, from the options it was compiled with, on
   every rank before any collective.
 
-* **Gathered once per step** (``gather_once=True``): from the step's first forward to its last backward
-  the stage's parameters stay gathered (the store's hold, runtime/store_fetch.py), so each unit is
-  all-gathered once per step, not once per micro-batch and pass.  That holds the stage's whole parameters
-  on the device for the step; ``gather_once=False`` gathers per use, as without pipelining.  The default,
-  ``"auto"``, holds with ``lower="eager"`` only: under Inductor the held values came out wrong (parameters
-  20-30% off eager after 3 steps, 1F1B, measured in session 21; the generated code likely reuses or frees
-  a buffer it believes its own), so there ``gather_once=True`` is refused until that is understood.
+* **Gathered once per step** (``gather_once=True``, the default): from the step's first forward to its
+  last backward the stage's parameters stay gathered (the store's hold, runtime/store_fetch.py, keyed by
+  parameter), so each is all-gathered once per step, not once per micro-batch and pass (the forward and
+  backward graphs bucket them differently: the backward's units are served from the forward's values).
+  That holds the stage's whole parameters on the device for the step; ``gather_once=False`` gathers per
+  use, as without pipelining.  Any lowering: each use gets its own copy of the held values, which the
+  compiled graph may overwrite (Inductor reuses an op output's buffer after its last use).
 
-Gradients are reduce-scattered once per micro-batch's backward and accumulated into the shards (as with
-gradient accumulation without pipelining).  docs/notes/pipeline.md has the measured counts and what is left.
+* **Reduced once per step** (``reduce_once=True``, the default): each unit's gradients are summed on the
+  device over the step's micro-batches (runtime/store_grads.py, hold_grads) and reduce-scattered by the
+  step's last backward, not after each micro-batch's.  That holds the stage's unsharded gradients on the
+  device for the step (FSDP2's ``set_requires_gradient_sync(False)`` until the last micro-batch);
+  ``reduce_once=False`` reduces per micro-batch and accumulates into the shards.
+
+docs/notes/pipeline.md has the measured counts and what is left.
 """
 
 from __future__ import annotations
@@ -54,26 +59,18 @@ class ZinfPipelineStage(PipelineStage):
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device,
                  input_args=None, output_args=None, group: dist.ProcessGroup | None = None, *,
-                 gather_once: bool | str = "auto", **kwargs):
+                 gather_once: bool = True, reduce_once: bool = True, **kwargs):
         if input_args is None or output_args is None:
             raise ZinfPipelineError(
                 f"pipeline stage {stage_index}: zinf needs the stage's shapes up front: pass input_args and "
                 f"output_args (one micro-batch's example tensors, requires_grad=True where a gradient flows "
                 f"between stages). Without them torch infers the shapes by running a backward at the first "
                 f"step, whose gradients zinf would add to that step's.")
-        lower = (compile_options(submodule) or {}).get("lower", "inductor")
-        if gather_once == "auto":
-            gather_once = lower == "eager"
-        elif gather_once is True and lower != "eager":
-            raise ZinfPipelineError(
-                f"pipeline stage {stage_index}: gather_once=True is not supported with lower={lower!r} yet "
-                f"(the held parameters came out wrong under Inductor): pass gather_once=False (gathers per "
-                f"micro-batch), or compile the stage with options lower='eager'.")
         _agree_on_stages(submodule, stage_index, group, input_args, output_args)
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group, **kwargs)
-        self.gather_once = gather_once
-        self._holding: set = set()  # the model groups whose gathers this stage holds now
+        self.gather_once, self.reduce_once = gather_once, reduce_once
+        self._holding: set = set()  # the model groups whose gathers or gradients this stage holds now
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, *rest, **more):
         """torch's forward of one micro-batch, inside the step's hold of gathered parameters."""
@@ -85,23 +82,37 @@ class ZinfPipelineStage(PipelineStage):
         return output
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, last_backward: bool = False, **kwargs):
-        """torch's backward of one micro-batch; the step's last one ends the hold."""
-        try:
+        """torch's backward of one micro-batch; the step's last one reduces the held gradients and ends
+        the hold."""
+        if not last_backward:
             return super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
-        finally:
-            if last_backward:  # the step's last use of the parameters before the optimizer changes them
-                self._end_hold()
+        store = store_of(self.submod)
+        if self.reduce_once:
+            store.reduce_held_grads_next(self._holding)
+        try:
+            output = super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
+            store.end_held_grads(self._holding)  # (raises if a held sum was not reduced)
+            return output
+        finally:  # the step's last use of the parameters before the optimizer changes them
+            self._end_hold()
 
     def _hold(self) -> None:
-        """gather_once: from the step's first forward to its last backward, each unit of the stage is
-        gathered once (runtime/store_fetch.py, hold_gathers), not once per micro-batch and pass."""
-        if not self.gather_once or self._holding or not (self.has_backward and torch.is_grad_enabled()):
+        """From the step's first forward to its last backward, each parameter of the stage is gathered once
+        (gather_once; runtime/store_fetch.py, hold_gathers), not once per micro-batch and pass, and each
+        unit's gradients are reduced once (reduce_once; runtime/store_grads.py, hold_grads)."""
+        if self._holding or not (self.has_backward and torch.is_grad_enabled()):
             return
         self._holding = {record.group for record in self._records()}
-        store_of(self.submod).hold_gathers(self._holding)
+        store = store_of(self.submod)
+        if self.gather_once:
+            store.hold_gathers(self._holding)
+        if self.reduce_once:
+            store.hold_grads(self._holding)
 
     def _end_hold(self) -> None:
-        store_of(self.submod).end_held_gathers(self._holding)
+        store = store_of(self.submod)
+        store.end_held_gathers(self._holding)
+        store.end_held_grads(self._holding, reduced=False)  # (dropped: what is left belongs to a failed step)
         self._holding = set()
 
     def _records(self) -> list:

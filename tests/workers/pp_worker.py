@@ -4,8 +4,9 @@ A stack of 4 residual MLP blocks cut into 2 stages of 2 blocks.  Each stage is c
 its data-parallel ranks (``mesh["dp"]``), wrapped in ``ZinfPipelineStage`` and driven by torch's
 ``ScheduleGPipe`` or ``Schedule1F1B`` with 4 micro-batches per dp rank, then stepped by zinf's AdamW.
 The reference is the whole model in eager on the whole batch (both dp ranks' rows), torch's AdamW.
-Records the losses (last stage), the stage's parameters after the steps, the collectives per step,
-the all-gathers of the traced step, and Dynamo's graph count; or the error raised.
+Records the losses (last stage), the stage's parameters after the steps, the collectives per step (and
+the all-gathers of each micro-batch's forward, the reduce-scatters of each backward), the all-gathers of the traced step, and Dynamo's graph
+count; or the error raised.
 """
 
 import json
@@ -101,7 +102,11 @@ def main():
         outputs = torch.empty(micro_rows, WIDTH, requires_grad=True)
         stage = ZinfPipelineStage(compiled, pp_rank, 2, torch.device("cpu"), input_args=inputs,
                                   output_args=outputs, group=mesh["pp"].get_group(),
-                                  gather_once=args.get("gather_once", "auto"))
+                                  gather_once=args.get("gather_once", True),
+                                  reduce_once=args.get("reduce_once", True))
+        per_micro_batch = {"forward_all_gathers": _count_per_micro_batch(stage, "forward_one_chunk", "all_gather"),
+                           "backward_reduce_scatters": _count_per_micro_batch(stage, "backward_one_chunk",
+                                                                              "reduce_scatter")}
         schedule = SCHEDULES[args["schedule"]](stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         optimizer = zinf.optim.AdamW(module.parameters(), **ADAMW)
         losses, calls = [], []
@@ -120,6 +125,9 @@ def main():
             optimizer.step()
             optimizer.zero_grad()
             calls.append({kind: count - before.get(kind, 0) for kind, count in RUNTIME.comm.calls.items()})
+            for name, counts in per_micro_batch.items():
+                calls[-1][name] = counts[:]
+                counts.clear()
         result["zinf_losses"] = losses
         result["calls"] = calls
         result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -144,16 +152,30 @@ def main():
     finish_rank()
 
 
-def _traced_gathers(trace_path: str) -> dict:
-    """The all-gathers (track ``gg``) of the traced step, read from its Chrome trace: how many, and of how
-    many units (each interval is named after its unit)."""
+def _count_per_micro_batch(stage, method: str, kind: str) -> list[int]:
+    """A list that gets the collectives of ``kind`` run by each call of the stage's ``method`` (one
+    micro-batch's forward or backward)."""
+    counts, run = [], getattr(stage, method)
+
+    def counting(*args, **kwargs):
+        before = RUNTIME.comm.calls.get(kind, 0)
+        output = run(*args, **kwargs)
+        counts.append(RUNTIME.comm.calls.get(kind, 0) - before)
+        return output
+
+    setattr(stage, method, counting)
+    return counts
+
+
+def _traced_gathers(trace_path: str) -> int:
+    """The parameter all-gathers of the traced step, read from its Chrome trace: the intervals on track
+    ``gg`` that moved bytes (each is named after its track; the agreement's small all-gathers count 0)."""
     with open(trace_path) as handle:
         events = json.load(handle)["traceEvents"]
     tracks = {event["tid"]: event["args"]["name"] for event in events
               if event["ph"] == "M" and event["name"] == "thread_name"}
-    names = [event["name"] for event in events if event["ph"] == "X" and tracks[event["tid"]] == "gg"
-             and "agreement" not in event["name"]]  # (not the agreement's small all-gathers)
-    return {"gathers": len(names), "units": len(set(names)), "names": sorted(set(names))}
+    return sum(1 for event in events if event["ph"] == "X" and tracks[event["tid"]] == "gg"
+               and event["args"]["bytes"] > 0)
 
 
 if __name__ == "__main__":
