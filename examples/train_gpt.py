@@ -5,6 +5,8 @@
     python examples/train_gpt.py --offload cpu         # state in CPU memory instead of NVMe swap files
     torchrun --nproc-per-node 2 examples/train_gpt.py  # 2 ranks, gloo on CPU
     python examples/train_gpt.py --checkpoint-dir ckpt --save-every 100     # then again with --resume
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py --checkpoint-dir ckpt --resume auto
+                                                       # a restart continues from the newest checkpoint
 
 The text is generated here (seeded sentences from a fixed vocabulary), so the
 run needs no download. The model, the optimizer and the loop are plain
@@ -48,11 +50,18 @@ def make_corpus(n_bytes: int, seed: int) -> bytes:
     return "".join(sentences).encode()
 
 
-def batches(data: torch.Tensor, block: int, batch: int, generator: torch.Generator):
-    while True:
-        starts = torch.randint(0, len(data) - block - 1, (batch,), generator=generator)
-        windows = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
-        yield windows[:, :-1].long(), windows[:, 1:].long()
+def batch_at(data: torch.Tensor, step: int, rank: int, world: int, batch: int, block: int, seed: int):
+    """This rank's share of step ``step``'s batch: ``batch`` random windows of the text and their next bytes.
+
+    A function of the step and the rank's place in the world, not of what this
+    process has run before: a run resumed from a checkpoint sees the batches an
+    uninterrupted run would.  Every world size draws from the same stream per
+    step, so at world 1 a step's batch is rank 0's share of it at world 2.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - block - 1, (world * batch,), generator=generator)
+    windows = torch.stack([data[s : s + block + 1] for s in starts[rank * batch : (rank + 1) * batch].tolist()])
+    return windows[:, :-1].long(), windows[:, 1:].long()
 
 
 @torch.no_grad()
@@ -92,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save a checkpoint here every --save-every steps (zinf.save: each rank its shards)")
     parser.add_argument("--save-every", type=int, default=100)
-    parser.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--resume", nargs="?", const="always", default="never", choices=["never", "auto", "always"],
+                        help="start from the newest complete checkpoint in --checkpoint-dir; --resume auto: if there "
+                             "is one (a torchrun restart continues where the last checkpoint left off)")
+    parser.add_argument("--loss-file", default=None, help="rank 0 appends 'step loss' lines here, the loss exact")
     parser.add_argument("--export", default=None,
                         help="after training, write consolidated weights here (model.safetensors)")
     args = parser.parse_args(argv)
@@ -141,25 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))
     say(f"zinf example: GPT {n_params / 1e6:.2f}M params, world {world}, options {options}")
 
-    generator = torch.Generator().manual_seed(args.seed + rank)
-    stream = batches(data, args.block_size, args.batch_size, generator)
     first_step = 1
-    if args.resume:
-        if not args.checkpoint_dir or zinf.latest(args.checkpoint_dir) is None:
-            print(f"error: --resume: no complete checkpoint in --checkpoint-dir {args.checkpoint_dir!r}",
-                  file=sys.stderr)
-            return 2
-        path = zinf.latest(args.checkpoint_dir)
-        extra = zinf.load(path, compiled, opt)
+    checkpoint = zinf.latest(args.checkpoint_dir) if args.checkpoint_dir and args.resume != "never" else None
+    if args.resume == "always" and checkpoint is None:
+        print(f"error: --resume: no complete checkpoint in --checkpoint-dir {args.checkpoint_dir!r}", file=sys.stderr)
+        return 2
+    if checkpoint is not None:
+        # zinf.load reshards: the checkpoint may come from another world size (an elastic restart).
+        extra = zinf.load(checkpoint, compiled, opt)
         schedule.load_state_dict(extra["schedule"])
-        generator.set_state(extra["data_generator"][rank])
         first_step = extra["step"] + 1
-        say(f"resumed from {path} at step {first_step}")
-    first_loss = None
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun
+        say(f"resumed from {checkpoint} at step {first_step}, world {world} (saved at world {extra['world']}"
+            f"{f'; torchrun restart {restart}' if restart else ''})", flush=True)
+    first_loss = loss_value = None
     started = last_log = time.perf_counter()
     tokens_since_log = 0
     for step in range(first_step, args.steps + 1):
-        idx, targets = next(stream)
+        idx, targets = batch_at(data, step, rank, world, args.batch_size, args.block_size, args.seed)
         loss = compiled(idx.to(device), targets.to(device))
         loss.backward()
         opt.clip_grad_norm_(1.0)
@@ -169,15 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         tokens_since_log += idx.numel() * world
         loss_value = loss.item()
         first_loss = loss_value if first_loss is None else first_loss
+        if args.loss_file and rank == 0:
+            with open(args.loss_file, "a") as losses:
+                losses.write(f"{step} {loss_value!r}\n")
         if args.checkpoint_dir and step % args.save_every == 0:
-            # Each rank's data order is its own generator: every rank's state goes in (gathered to all).
-            generators = [None] * world
-            if world > 1:
-                dist.all_gather_object(generators, generator.get_state())
-            else:
-                generators = [generator.get_state()]
             zinf.save(os.path.join(args.checkpoint_dir, f"step-{step:06d}"), compiled, opt,
-                      extra={"step": step, "schedule": schedule.state_dict(), "data_generator": generators})
+                      extra={"step": step, "world": world, "schedule": schedule.state_dict()})
         if step == first_step:
             say(f"first step (includes compiling) took {time.perf_counter() - started:.1f}s")
             last_log, tokens_since_log = time.perf_counter(), 0
@@ -206,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     say(f"peak RSS {peak_rss:,} B; model states {16 * n_params:,} B (16 B/param: fp32 weight, gradient, "
         f"two Adam moments)")
-    say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
-        f"{time.perf_counter() - started:.0f}s in all")
+    if loss_value is not None:  # None: resumed from a checkpoint of the last step
+        say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
+            f"{time.perf_counter() - started:.0f}s in all")
     if args.export:
         zinf.export(args.export, compiled)
         say(f"weights written to {args.export}/model.safetensors")

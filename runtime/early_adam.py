@@ -154,6 +154,11 @@ class EarlyAdam:
         self.stats["started"] += 1
         self.advance()
 
+    def gradient_changed(self, record) -> None:
+        """``record``'s gradient was changed in place after it arrived (scaled: ``store.scale_grads``):
+        an early step taken from it is void (the optimizer step takes it late)."""
+        self._cancel(record.uid)
+
     def gradients_dropped(self, record) -> None:
         """``opt.zero_grad()``: the gradient is gone, and so is any step taken from it."""
         self._cancel(record.uid)

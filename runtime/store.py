@@ -107,6 +107,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
         self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
         self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
         self._transfers = TransferTable()  # every fetch and reduce in flight, each in its state
+        # Model group -> {unit key: (unit, gathered values)} while its gathers are held (see hold_gathers).
+        self._held_gathers: dict = {}
         # Work that moves on at the transfer points of a graph (the optimizer's early steps).
         self._background: "weakref.WeakSet" = weakref.WeakSet()
 

@@ -54,6 +54,9 @@ class FetchSteps:
 
     def nc_start(self, unit: Unit) -> None:
         """Start reading the unit's shards (nvme tier) from their swap keys into one pinned buffer."""
+        if self._held_values(unit) is not None:  # gathered already: the steps up to the gather only move on
+            self._transfers.move(unit, "nc_start", State.NEW, State.READING)
+            return
         staging = self.pinned_pool(unit.sizes.pinned).acquire(unit.sizes.pinned, timeout=POOL_WAIT_SECONDS)
         view = staging.memoryview()
         itemsize = unit.compute_dtype.itemsize
@@ -79,6 +82,11 @@ class FetchSteps:
         from_nvme = unit.pieces[0].layout.param_tier == "nvme"
         transfer = self._transfers.move(unit, "cg_start", State.READ if from_nvme else State.NEW, State.COPYING)
         staging = transfer.staging
+        if self._held_values(unit) is not None:
+            if staging is not None:  # read before the unit's values were held: not needed now
+                staging.release()
+                transfer.staging = None
+            return
         self._add_transient("device", unit.sizes.local, what=f"cg_start of {unit.name}", ledger=self._group_of(unit).ledger)
         on_device = torch.empty(unit.local_numel, dtype=unit.compute_dtype, device=unit.device)
         works, at = [], 0
@@ -130,8 +138,15 @@ class FetchSteps:
 
     def gather_start(self, unit: Unit) -> None:
         """Start assembling the unit's parameters (all-gather of slices, or broadcast from the owner)."""
-        transfer, local = self._start_gather_from_local_input(unit)
         group = self._group_of(unit)
+        if self._held_values(unit) is not None:  # gathered already in this hold: no collective
+            source = State.STAGED if self._transfers.has(unit, State.STAGED) else State.NEW
+            transfer = self._transfers.move(unit, "gather_start", source, State.GATHERING)
+            if transfer.value is not None:  # staged on the device before the values were held
+                self._add_transient("device", -nbytes_of(transfer.value), ledger=group.ledger)
+            transfer.work, transfer.value = DONE, None
+            return
+        transfer, local = self._start_gather_from_local_input(unit)
         self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=group.ledger)
         if unit.world_size == 1 and unit.partition == "allgather" and not self._rests_on_device(unit):
             # The cg step's fresh device copy already is the whole unit: no collective, no copy.
@@ -144,6 +159,11 @@ class FetchSteps:
         transfer = self._transfers.move(unit, "gather_wait", State.GATHERING, State.DONE)
         matrix = transfer.value
         transfer.work.wait()
+        held = self._held_values(unit)
+        if held is not None:
+            if matrix is not None:  # a gather started before the first one of this hold had finished
+                self._add_transient("device", -unit.sizes.gathered, ledger=self._group_of(unit).ledger)
+            return list(held)
         group = self._group_of(unit)
         # A bucket's values are copied out of the matrix; both exist until this returns.
         copy_out = unit.sizes.copy_out
@@ -159,6 +179,9 @@ class FetchSteps:
         finally:
             if copy_out:
                 self._add_transient("device", -copy_out, ledger=group.ledger)
+        holding = self._held_gathers.get(group)
+        if holding is not None:  # kept (and counted) until the hold ends, for the unit's next uses
+            holding[unit.key] = (unit, values)
         return values
 
     def release(self, unit: Unit) -> None:
@@ -167,7 +190,36 @@ class FetchSteps:
         The memory itself goes when the graph drops its last reference, right
         after this op (the generated code frees values after their last use).
         """
+        if self._held_values(unit) is not None:
+            return  # still held: counted until the hold ends
         self._add_transient("device", -unit.sizes.gathered, ledger=self._group_of(unit).ledger)
+
+    # --- holding gathered values across calls (pipeline micro-batches) ---------------------------
+    #
+    # A pipeline stage runs its graphs once per micro-batch, forward and backward.  While a hold on
+    # the stage's model is open, a unit's first gather keeps its values; its later gathers (the
+    # other micro-batches, the backward re-gathers) return them without a collective, and the fetch
+    # steps before them (nc, cg) only move their transfer's state along, so the graph's ops pair as
+    # always.  The values count as gathered device bytes until the hold ends.  Whoever opens a hold
+    # must end it before the parameters change (the optimizer step): the values would be stale.
+
+    def hold_gathers(self, groups) -> None:
+        """Keep each unit of the model ``groups`` gathered once from now until :meth:`end_held_gathers`."""
+        for group in groups:
+            self.end_held_gathers([group])
+            self._held_gathers[group] = {}
+
+    def end_held_gathers(self, groups) -> None:
+        """Drop the values held for ``groups`` (their memory goes with the last graph that used them)."""
+        for group in groups:
+            for unit, _ in self._held_gathers.pop(group, {}).values():
+                self._add_transient("device", -unit.sizes.gathered, ledger=group.ledger)
+
+    def _held_values(self, unit: Unit) -> list[torch.Tensor] | None:
+        """The unit's values held by an open hold, or None (no hold, or not gathered yet in it)."""
+        holding = self._held_gathers.get(self._group_of(unit)) if self._held_gathers else None
+        entry = holding.get(unit.key) if holding is not None else None
+        return entry[1] if entry is not None else None
 
 
     def abandon_transfers(self) -> None:
@@ -193,4 +245,7 @@ class FetchSteps:
         self.process.transient["device"] = 0
         for record in self._records.values():
             record.ledger.transient["device"] = 0
+        for group, holding in self._held_gathers.items():  # held values stay gathered between calls
+            for unit, _ in holding.values():
+                self._add_transient("device", unit.sizes.gathered, ledger=group.ledger)
 

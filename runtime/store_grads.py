@@ -247,6 +247,21 @@ class GradientSteps:
             f"The first failure: {first}"
         ) from first
 
+    def scale_grads(self, records: Iterable[ParamRecord], factor: float) -> None:
+        """Multiply the accumulated gradients of ``records`` by ``factor`` (a pipeline schedule's
+        1 / micro-batches): shards in memory now; gradients in swap files when the step reads them, as
+        clipping does (their norm, kept for clipping, scales with them; an early step taken on the
+        unscaled gradient no longer counts, see runtime/early_adam.py)."""
+        for record in records:
+            listener = grad_listener_of(record)
+            if listener is not None:
+                listener.gradient_changed(record)
+            if record.grad_shard is not None:
+                record.grad_shard.mul_(factor)
+            if record.grad_on_disk:
+                record.grad_multiplier *= factor
+                record.grad_sq_norm *= factor * factor
+
     def drop_grads(self, records: Iterable[ParamRecord]) -> None:
         """Discard the gradients of ``records`` (``opt.zero_grad()``), incomplete ones included."""
         for record in records:

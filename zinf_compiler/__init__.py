@@ -11,11 +11,13 @@ from .backend import materialize, register, zinf_backend
 from .checkpoint import ZinfCheckpointError, export, latest, load, save
 from .deepspeed_config import DeepSpeedConfigWarning, options_from_deepspeed
 from .options import ZinfOptionError, ZinfOptions, describe_options, parse_options
-from .planner import Prediction, plan
+from .budget import BudgetError, plan
+from .planner import Prediction
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetError",
     "ZinfCheckpointError",
     "DeepSpeedConfigWarning",
     "options_from_deepspeed",

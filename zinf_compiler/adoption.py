@@ -17,8 +17,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ram_cache
-from .options import ZinfOptions
+from .options import ZinfOptions, budget_bytes
 from .runtime.aio import validate_folder
+from .runtime.host_memory import available_bytes, ranks_on_node
 from .runtime.param_plan import plan_param
 from .runtime.store import DTYPES
 from .runtime.tiers import store_tier
@@ -68,7 +69,7 @@ def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, til
     are the RAM cache's choice (:func:`plan_offload`, which must have planned ``param`` first).
     """
     settings = _store_settings(options)
-    if options.host_memory is not None:
+    if _cache_on(options):
         settings.update(_cached_tiers(store, param, settings))
     return store.adopt(param, name, tile_rows=tile_rows, group=group, read_local=read_local,
                        grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **settings)
@@ -106,11 +107,17 @@ def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]
     plans = [plan_of(param, tile_rows) for param, tile_rows in new]
     for plan in plans:
         store.plan_shards(plan.local_numel)
-    if options.host_memory is not None:
+    if _cache_on(options):
         plans = _choose_cached(store, new, plans, options, plan_of)
     needed = sum(options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
                  for (param, _), plan in zip(new, plans))
     validate_folder(options.nvme_path, needed)
+
+
+def _cache_on(options: ZinfOptions) -> bool:
+    """Whether the RAM cache chooses tiers (options host_memory or ram_cache_bytes; parse_options checks that
+    an offload is 'nvme')."""
+    return options.host_memory is not None or options.ram_cache_bytes is not None
 
 
 def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_of) -> list:
@@ -125,9 +132,13 @@ def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_
     pinned = store.pinned.capacity_bytes if store.pinned is not None else 0
     # No pinned pool while nothing rests on NVMe; else it is made now (sized from every plan so far, as it
     # would be at the first swap) and its bytes come out of the budget.
-    tiers_of = ram_cache.choose_tiers(plans, requires_grad, options.host_memory,
-                                      ram_cache.held_by_records(store.records()), pinned,
-                                      lambda: store.pinned_pool(0).capacity_bytes)
+    records = list(store.records())
+    states_bytes = (None if options.ram_cache_bytes is None else
+                    options.ram_cache_bytes - ram_cache.states_held_by_records(records))
+    host_memory = (None if options.host_memory is None else
+                   budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
+    tiers_of = ram_cache.choose_tiers(plans, requires_grad, host_memory, ram_cache.held_by_records(records), pinned,
+                                      lambda: store.pinned_pool(0).capacity_bytes, states_bytes=states_bytes)
     cached_plans = []
     for (param, tile_rows), plan, (param_tier, opt_tier) in zip(params, plans, tiers_of):
         _CACHED_TIERS[param] = (param_tier, opt_tier)

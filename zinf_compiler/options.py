@@ -110,6 +110,36 @@ def _fraction_or_bytes(value: Any) -> float | int:
     return nbytes
 
 
+# host_memory="auto": this share of the memory available (MemAvailable), split among the node's ranks; the rest
+# is left to the page cache the NVMe tier reads through and to other processes.
+AUTO_SHARE = 0.9
+
+
+def _budget(value: Any) -> int | float | str | None:
+    """A memory budget: None, "auto", a fraction in (0, 1] of the memory available, or a byte count."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _fraction_or_bytes(value)
+    except ValueError:
+        raise ValueError("a byte count such as '2GiB', a fraction in (0, 1] of the memory available such as 0.5, "
+                         "'auto' or None") from None
+
+
+def budget_bytes(budget: int | float | str, available: int | None, ranks_on_node: int) -> int:
+    """Bytes of a parsed budget (:func:`_budget`): a byte count as it is; a fraction, or "auto" (:data:`AUTO_SHARE`),
+    of the memory ``available`` (bytes; None: unknown, an error), split among ``ranks_on_node`` ranks."""
+    if isinstance(budget, int):
+        return budget
+    if available is None:
+        raise ZinfOptionError(f"host_memory={budget!r} is a share of the memory available, which this system does "
+                              "not report (/proc/meminfo): give a byte count such as '8GiB'")
+    share = AUTO_SHARE if budget == "auto" else float(budget)
+    return int(available * share) // max(ranks_on_node, 1)
+
+
 def _or_keyword(keyword: str, inner: Callable[[Any], Any], hint: str) -> Callable[[Any], Any]:
     def parse(value: Any) -> Any:
         if value is None and keyword == "none":
@@ -231,11 +261,19 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "process (4 per parameter), instead of swap files; saves a 4-byte write and read per parameter "
                "each step (auto: an eighth of the memory available at the first such compile, shared by the "
                "node's ranks; 0: every gradient in swap files)"),
-    OptionSpec("host_memory", None, _or_keyword("none", parse_bytes, "a byte count"),
-               "with an 'nvme' offload_param or offload_optimizer: host RAM this process may use (its models share "
-               "it); the optimizer states and parameter shards that save the most disk bytes per byte stay on the "
-               "cpu tier within it, the rest on NVMe (zinf_compiler/ram_cache.py: a quarter is left for "
-               "activations and the process itself); None: every state on its offload tier"),
+    OptionSpec("host_memory", None, _budget,
+               "host RAM this process may use (its models share it): bytes, a fraction of the memory available "
+               "(0.5) or 'auto' (AUTO_SHARE of it), shared by the node's ranks.  As a budget over every option, "
+               "zinf.plan(model, example_inputs, {'host_memory': ...}) chooses the stage, tiers, gradient RAM and "
+               "RAM cache that fit it (zinf_compiler/budget.py; compile with its compile_options()).  At compile, "
+               "with an 'nvme' offload_param or offload_optimizer: the RAM cache's budget (zinf_compiler/ram_cache.py:"
+               " the states that save the most disk bytes per byte stay on the cpu tier, a quarter is left for "
+               "activations and the process itself, unless ram_cache_bytes says the states' share); None: every "
+               "state on its offload tier"),
+    OptionSpec("ram_cache_bytes", None, _or_keyword("none", parse_bytes, "a byte count"),
+               "with an 'nvme' offload: bytes of optimizer states and parameter shards the RAM cache keeps on the "
+               "cpu tier (the rest stream from NVMe), instead of host_memory's quarter-headroom rule; zinf.plan "
+               "sets it to what its host_memory budget leaves"),
     OptionSpec("overlap_optimizer", "auto", _or_keyword("auto", _boolean, "true or false"),
                "with the parameters and optimizer state on NVMe at stage 3 (and nvme_copies=2): step each "
                "parameter's optimizer state during backward, as its gradient lands, and commit it at opt.step() "
@@ -302,7 +340,8 @@ class ZinfOptions:
     aio_queue_depth: int
     aio_threads: int
     nvme_grad_ram_bytes: int | str
-    host_memory: int | None
+    host_memory: int | float | str | None  # bytes, a fraction of the available memory, or "auto": budget_bytes
+    ram_cache_bytes: int | None
     overlap_optimizer: bool | str
     nvme_copies: int
     pinned_bytes: int | str
@@ -398,8 +437,15 @@ def parse_options(
         raise ZinfOptionError("offload_optimizer needs a sharded optimizer: stage 1, 2 or 3 (got stage=0)")
     if "nvme" in (values["offload_param"], values["offload_optimizer"], values["offload_activations"]) and not values["nvme_path"]:
         raise ZinfOptionError("an 'nvme' offload needs nvme_path: set options={'nvme_path': '/path/to/fast/disk'}")
-    if values["host_memory"] is not None and "nvme" not in (values["offload_param"], values["offload_optimizer"]):
-        raise ZinfOptionError("host_memory sizes the RAM cache over the NVMe tier: it needs offload_param or "
+    nvme_state = "nvme" in (values["offload_param"], values["offload_optimizer"])
+    if values["host_memory"] is not None and not nvme_state:
+        raise ZinfOptionError(
+            "host_memory at compile sizes the RAM cache over the NVMe tier: it needs offload_param or "
+            "offload_optimizer 'nvme'.  As a budget over every option, let zinf.plan choose them: "
+            "p = zinf.plan(model, example_inputs, {'host_memory': ..., 'nvme_path': ...}), then "
+            "torch.compile(model, backend='zinf', options=p.compile_options())")
+    if values["ram_cache_bytes"] is not None and not nvme_state:
+        raise ZinfOptionError("ram_cache_bytes sizes the RAM cache over the NVMe tier: it needs offload_param or "
                               "offload_optimizer 'nvme'")
     return ZinfOptions(**values)
 

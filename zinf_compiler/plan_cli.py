@@ -10,9 +10,17 @@ pinned pools, swap space, disk and collective bytes per step and, with
 ``--probe`` (this machine's matmul, memory and disk rates, about a second),
 the predicted step.  The disk is probed in ``--nvme-path``.
 
-Example::
+With ``--host-memory`` (and/or ``--device-memory``; bytes such as ``4GiB``, a
+fraction of the memory available such as ``0.5``, or ``auto``), zinf chooses
+the options instead (zinf_compiler/budget.py): every option set it weighed is
+listed with its predicted peak RSS and step, and the chosen options are printed
+as JSON, ready for ``torch.compile(..., options=...)`` (``--options`` then fixes
+some of them).
+
+Examples::
 
     python -m zinf_compiler.plan_cli --n-layer 12 --n-embd 768 --batch 8 --seq 512 --world-size 2 --probe
+    python -m zinf_compiler.plan_cli --host-memory 3GiB --nvme-path /mnt/nvme --probe
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import tempfile
 
 import torch
 
+from .budget import choose, describe_choice
 from .planner import describe, plan
 
 # The usual option sets, from everything on the device to everything on NVMe.
@@ -87,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="a JSON object of zinf options (repeat for several rows; default: the usual sets)")
     parser.add_argument("--nvme-path", default=None, help="the folder NVMe tiers use (default: a temporary one)")
     parser.add_argument("--probe", action="store_true", help="measure this machine's rates and predict the step")
+    parser.add_argument("--host-memory", help="a host RAM budget (peak RSS per rank): zinf chooses the options")
+    parser.add_argument("--device-memory", help="a device memory budget per rank: zinf chooses the options")
     args = parser.parse_args(argv)
+    if args.host_memory or args.device_memory:
+        return _choose(args)
     model, batch = _model_and_batch(args)
     numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
@@ -102,6 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{type(model).__name__}: {numel:,} parameters, batch {args.batch} x {args.seq} tokens, "
           f"world size {args.world_size}; per rank (the one holding the most), MiB:\n")
     print(describe(predictions).replace(f", nvme_path={nvme_path}", ""))
+    if profile is not None:
+        print("\nrates: " + "; ".join(profile.describe()))
+    return 0
+
+
+def _choose(args) -> int:
+    """--host-memory / --device-memory: the options zinf chooses under the budgets, and every set it weighed."""
+    model, batch = _model_and_batch(args)
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    fixed = {key: value for options in args.options or [] for key, value in options.items()}
+    budgets = {"host_memory": args.host_memory, "device_memory": args.device_memory}
+    with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
+        if args.nvme_path:
+            fixed.setdefault("nvme_path", args.nvme_path)
+        profile = _profile(args.nvme_path or scratch, torch.float32) if args.probe else None
+        chosen = choose(model, batch, {**fixed, **budgets}, world_size=args.world_size, profile=profile)
+    given = ", ".join(f"{name} {value}" for name, value in budgets.items() if value)
+    print(f"{type(model).__name__}: {numel:,} parameters, batch {args.batch} x {args.seq} tokens, world size "
+          f"{args.world_size}; under {given} ({', '.join(f'{k} {v:,} bytes' for k, v in chosen.budget.items() if v)}),"
+          f" per rank, the process's own RSS included; step at {'probed' if profile else 'nominal'} rates:\n")
+    print(describe_choice(chosen))
+    print("\nchosen options: " + json.dumps(chosen.compile_options()))
+    print("\n" + describe([chosen]))
     if profile is not None:
         print("\nrates: " + "; ".join(profile.describe()))
     return 0

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .adoption import plan_for
-from .options import ZinfOptions, parse_options
+from .options import ZinfOptions, budget_bytes, parse_options
 from .ram_cache import choose_tiers
 from .runtime.param_plan import ParamPlan, choose_owner
 from .runtime.pool_sizes import auto_grad_ram_bytes, early_step_pool_bytes, parameter_pool_bytes
@@ -77,6 +77,15 @@ class Prediction:
     model_bytes: int = 0  # the whole model's parameters in compute dtype
     flops: int | None = None
     step: dict[str, float] | None = None
+    # Set where zinf_compiler/budget.py chose the options: the budgets in bytes, the peak RSS it predicted
+    # (with the process's own bytes), and every option set it weighed (a Prediction each, with its peak_rss).
+    budget: dict[str, int] | None = None
+    predicted_rss: int | None = None
+    candidates: list = dataclasses.field(default_factory=list)
+
+    def compile_options(self) -> dict:
+        """The options to compile the model with: :attr:`options` less the planner's own ``device`` entry."""
+        return {key: value for key, value in self.options.items() if key != "device"}
 
     def tier_total(self, tier: str) -> int:
         """Bytes on ``tier`` of every kind."""
@@ -208,6 +217,24 @@ def _a_loss(out: Any) -> torch.Tensor:
     raise ValueError(f"zinf.plan: the model returned {type(out).__name__}; no tensor to run backward from")
 
 
+@dataclasses.dataclass
+class Blueprint:
+    """What a plan reads of a model, once for any number of option sets: its parameters (name, tensor: shapes
+    and dtypes only) and, with example inputs, the FLOPs of a forward and backward and the bytes autograd saves."""
+
+    named: list[tuple[str, torch.Tensor]]
+    flops: int | None = None
+    saved: int | None = None
+
+
+def blueprint(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None) -> Blueprint:
+    """``model``'s :class:`Blueprint` (the fake run happens here, once)."""
+    flops = saved = None
+    if example_inputs is not None:
+        flops, saved = _fake_run(model, example_inputs)
+    return Blueprint(_unique_named_params(model), flops, saved)
+
+
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
          world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None) -> Prediction:
     """Predict, for ``options`` at ``world_size`` ranks (default: the process group's, else 1), what the
@@ -219,18 +246,22 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
     compute (measure it with the threads a rank will have) and as the whole machine's disk and memory
     bandwidth.  ``profile``: a
     :class:`~zinf_compiler.cost_model.MachineProfile` for the step's time (None: no time predicted).
+    Options naming budgets (host_memory without the tiers, device_memory): ``zinf.plan`` is
+    zinf_compiler/budget.py's, which chooses the options and calls :func:`plan_blueprint` for each.
     """
+    return plan_blueprint(blueprint(model, example_inputs), options, world_size, profile, ranks_per_node)
+
+
+def plan_blueprint(model: Blueprint, options: Mapping | None = None, world_size: int | None = None,
+                   profile: Any = None, ranks_per_node: int | None = None) -> Prediction:
+    """:func:`plan` of a model's :class:`Blueprint`."""
     parsed = parse_options(dict(options or {}))
     if world_size is None:
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    named = _unique_named_params(model)
-    flops = saved = None
-    if example_inputs is not None:
-        flops, saved = _fake_run(model, example_inputs)
     best = None
     for rank in range(world_size):
-        prediction = _plan_rank(named, parsed, options or {}, world_size, rank, saved, flops, profile,
-                                ranks_per_node or world_size)
+        prediction = _plan_rank(model.named, parsed, options or {}, world_size, rank, model.saved, model.flops,
+                                profile, ranks_per_node or world_size)
         if best is None or prediction.host_bytes() + prediction.tier_total("device") > \
                 best.host_bytes() + best.tier_total("device"):
             best = prediction
@@ -260,9 +291,12 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
     # The pinned pool, where one is made: sized from every parameter's slice (adoption plans them all).
     pool_bytes = (parameter_pool_bytes(max([p.local_numel * 4 for *_, p in planned] + [0]))
                   if options.pinned_bytes == "auto" else int(options.pinned_bytes))
-    if options.host_memory is not None:  # the RAM cache's choice, as adoption makes it (zinf_compiler/ram_cache.py)
+    if options.host_memory is not None or options.ram_cache_bytes is not None:
+        # The RAM cache's choice, as adoption makes it (zinf_compiler/ram_cache.py).
+        host_memory = (None if options.host_memory is None else
+                       budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
         tiers = choose_tiers([p for *_, p in planned], [param.requires_grad for param, *_ in planned],
-                             options.host_memory, 0, 0, lambda: pool_bytes)
+                             host_memory, 0, 0, lambda: pool_bytes, states_bytes=options.ram_cache_bytes)
         planned = [(param, tile_rows, owner, plan if (pt, ot) == (plan.param_tier, plan.opt_tier) else
                     plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=plan.uid, param_tier=pt,
                              opt_tier=ot))

@@ -10,7 +10,9 @@ with both on NVMe stays whole on one tier, :func:`cache_items`); the
 arithmetic is the same on either tier, so the result is bit-equal to the
 all-NVMe run.
 
-The budget (:func:`states_budget`) is the process's: every model adopted
+Under option ``ram_cache_bytes`` (which ``zinf.plan`` sets when it chooses the options for a ``host_memory``
+budget, zinf_compiler/budget.py) that many bytes of states are cached, less what earlier graphs cached.
+Else the budget (:func:`states_budget`) is the process's: every model adopted
 under ``host_memory`` spends from one tally, the RAM the store's live records
 already hold (:func:`held_by_records`), first come first served in the order
 graphs are adopted (a model split by graph breaks spends it graph by graph;
@@ -109,20 +111,27 @@ def choose_cached(items: Iterable[CacheItem], budget: int) -> set[tuple[int, str
     return chosen
 
 
-def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: int, held_bytes: int,
-                 pinned_bytes: int, pool_if_needed: Callable[[], int]) -> list[tuple[str, str]]:
-    """``(param_tier, opt_tier)`` of each of ``plans`` (laid out for the nvme tiers) under ``host_memory``:
-    the cached states on the cpu tier, the rest as planned.
+def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: int | None, held_bytes: int,
+                 pinned_bytes: int, pool_if_needed: Callable[[], int],
+                 states_bytes: int | None = None) -> list[tuple[str, str]]:
+    """``(param_tier, opt_tier)`` of each of ``plans`` (laid out for the nvme tiers) under ``host_memory``
+    (bytes): the cached states on the cpu tier, the rest as planned.
 
     ``held_bytes``: what earlier graphs' records hold (:func:`held_by_records`), this graph's gradients are
     added here; ``pinned_bytes``: the pinned pool's, if it exists; else, should some state stay on NVMe,
     ``pool_if_needed()`` sizes (the store: makes) the pool, whose bytes then come out of the budget too.
+    ``states_bytes`` (option ``ram_cache_bytes`` less what earlier graphs cached, :func:`states_held_by_records`):
+    the cached states' budget itself, which zinf.plan sized from the whole process's prediction; then
+    ``host_memory``, ``held_bytes`` and the pool are not read.
     """
-    held = held_bytes + grad_bytes(plans, requires_grad)
     items = cache_items(plans, requires_grad)
-    chosen = choose_cached(items, states_budget(host_memory, pinned_bytes, held))
-    if len(chosen) < len(items) and not pinned_bytes:
-        chosen = choose_cached(items, states_budget(host_memory, pool_if_needed(), held))
+    if states_bytes is not None:
+        chosen = choose_cached(items, max(states_bytes, 0))
+    else:
+        held = held_bytes + grad_bytes(plans, requires_grad)
+        chosen = choose_cached(items, states_budget(host_memory, pinned_bytes, held))
+        if len(chosen) < len(items) and not pinned_bytes:
+            chosen = choose_cached(items, states_budget(host_memory, pool_if_needed(), held))
     tiers = []
     for index, plan in enumerate(plans):
         whole = (index, WHOLE) in chosen
@@ -148,10 +157,16 @@ def states_budget(host_memory: int, pinned_bytes: int, held_bytes: int) -> int:
 def held_by_records(records: Iterable) -> int:
     """RAM the adopted ``records`` hold that :func:`states_budget` counts: gradients of trained parameters,
     optimizer states and shards on the cpu tier (sized as :func:`cache_items` sizes them)."""
+    records = list(records)
+    return sum(grad_bytes([record.plan], [record.trainable]) for record in records) + states_held_by_records(records)
+
+
+def states_held_by_records(records: Iterable) -> int:
+    """RAM the optimizer states and shards of the adopted ``records`` on the cpu tier hold (as :func:`cache_items`
+    sizes them): what option ``ram_cache_bytes`` has spent already."""
     held = 0
     for record in records:
         plan = record.plan
-        held += grad_bytes([plan], [record.trainable])
         if plan.opt_tier == "cpu" and _trained(plan, record.trainable):
             held += OPTIMIZER_STATE_BYTES * _numel(plan)
         if plan.param_tier == "cpu":
@@ -161,8 +176,8 @@ def held_by_records(records: Iterable) -> int:
 
 def describe_cached(named_layouts: Iterable, options) -> str | None:
     """One line naming the parameters of ``named_layouts`` ((name, layout or plan) pairs) whose states the cache
-    kept in RAM against ``options``' nvme tiers (for the dumps); None without host_memory."""
-    if options.host_memory is None:
+    kept in RAM against ``options``' nvme tiers (for the dumps); None without host_memory or ram_cache_bytes."""
+    if options.host_memory is None and options.ram_cache_bytes is None:
         return None
     named_layouts = list(named_layouts)
     kept = {kind: [name for name, layout in named_layouts if asked == "nvme" and getattr(layout, tier) == "cpu"]
@@ -172,5 +187,8 @@ def describe_cached(named_layouts: Iterable, options) -> str | None:
     def listed(names: list[str]) -> str:
         return f"{len(names)} ({', '.join(names[:NAMES_LISTED])}{', ...' if len(names) > NAMES_LISTED else ''})"
 
-    return (f"ram cache (host_memory {options.host_memory:,} bytes): of {len(named_layouts)} parameters, in RAM "
+    budget = (f"ram_cache_bytes {options.ram_cache_bytes:,}" if options.ram_cache_bytes is not None else
+              f"host_memory {options.host_memory:,}" if isinstance(options.host_memory, int) else
+              f"host_memory {options.host_memory!r}")
+    return (f"ram cache ({budget} bytes): of {len(named_layouts)} parameters, in RAM "
             f"the optimizer state of {listed(kept[OPTIMIZER])}, the shard of {listed(kept[SHARD])}; the rest on nvme")

@@ -30,11 +30,17 @@ def test_inductor_lowering_matches_eager_pytorch(graph_break):
     # turn that rounding into parameter differences of ~1e-4 of each
     # tensor's largest magnitude (measured 5.8e-5 to 1.2e-4 depending on the
     # initial values).  So zinf is held to plain torch.compile's own
-    # distance from eager, measured in the same test, with 1e-4 as a floor.
+    # distance from eager, measured in the same test, with 1e-4 as a floor;
+    # the default run (one graph) skips that second compile (suite time) and
+    # holds zinf to 2.5x the largest distance measured, 3e-4 (a wrong
+    # gradient or step is off by 1e-2 and more).
     cfg = GPTConfig(**TINY, graph_break=graph_break)
     result = compare_training(cfg, {"lower": "inductor", "stage": 0})
-    inductor = compare_training(cfg, None)
     assert result.max_loss_error <= 1e-4, result.describe()
+    if not graph_break:
+        assert result.max_param_error <= 3e-4, result.describe()
+        return
+    inductor = compare_training(cfg, None)
     assert result.max_param_error <= max(1e-4, 1.5 * inductor.max_param_error), (
         result.describe(), inductor.max_param_error)
 

@@ -57,7 +57,7 @@ CONFIGS = {
 
 
 # The default run: the device, cpu (bf16) and nvme (tiled) tiers at stage 3; --all adds the rest.
-DEFAULT = ("stage3-device", "stage3-nvme-tiled", "stage3-cpu-bf16")
+DEFAULT = ("stage3-nvme-tiled", "stage3-cpu-bf16")  # the device tier's resume: --all (suite time)
 
 
 @pytest.mark.parametrize("name", [name if name in DEFAULT else pytest.param(name, marks=pytest.mark.slow)

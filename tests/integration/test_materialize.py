@@ -19,7 +19,9 @@ def small_sub_groups():
     swap_layout.sub_groups.__defaults__ = saved
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpu-tiled", "nvme-tiled"])
+# The untiled tiers run in --all (suite time): the tiled ones materialize the same tiers, tiles besides.
+@pytest.mark.parametrize("tier", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("nvme", marks=pytest.mark.slow),
+                                  "cpu-tiled", "nvme-tiled"])
 def test_materialized_model_trains_like_eager(tier, tmp_path, small_sub_groups):
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, frozen_scale=True)
     tiled = tier.endswith("-tiled")

@@ -83,10 +83,10 @@ def check_invariants(table: dict) -> None:
         assert all(row["live_bytes"] <= cap for row in table["ops"])
 
 
-@pytest.mark.parametrize("offload", [
+@pytest.mark.parametrize("offload", [  # the default run: the nvme tiers, whose table has every step kind
     {"offload_param": "nvme", "offload_optimizer": "nvme"},
-    {"offload_param": "cpu"},
-    {},
+    pytest.param({"offload_param": "cpu"}, marks=pytest.mark.slow),
+    pytest.param({}, marks=pytest.mark.slow),
 ])
 def test_schedule_table_invariants_with_default_prefetch(tmp_path, offload):
     train(tmp_path, **offload)

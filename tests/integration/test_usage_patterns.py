@@ -101,6 +101,7 @@ def test_a_new_model_after_dropping_the_old_one():
     second.assert_equal(train_interleaved([second], batches(), steps=3)[0])
 
 
+@pytest.mark.slow  # several instances under Inductor by default: test_two_instances_of_one_class_train_their_own_weights
 def test_three_instances_with_inductor():
     pairs = [Pair(seeded(mlp, seed), {"stage": 3}) for seed in (0, 1, 2)]
     losses = train_interleaved(pairs, batches(), steps=2)
@@ -494,7 +495,7 @@ def test_gathered_gives_eager_code_full_parameters(offload, writeback, tmp_path)
 
 @pytest.mark.parametrize("options", [
     {"offload_param": "none"},
-    {"offload_param": "cpu", "offload_optimizer": "cpu"},
+    pytest.param({"offload_param": "cpu", "offload_optimizer": "cpu"}, marks=pytest.mark.slow),
     {"offload_param": "nvme", "offload_optimizer": "nvme"},
     pytest.param({"offload_param": "nvme", "tile_threshold": 256, "tile_factor": 2}, marks=pytest.mark.slow),
 ], ids=["device", "cpu", "nvme", "nvme-tiled"])

@@ -65,6 +65,12 @@ OFFLOAD_CONFIGS = [
       {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_grad_ram_bytes": 24 << 10}]
 
 
+def _moves_both_kinds(config: dict) -> bool:
+    """World 1 runs only the configs that offload both parameters and optimizer state, or whose stage
+    keeps parameters whole (suite time); world 2 (--all) runs every one."""
+    return config["stage"] < 3 or "none" not in (config["offload_param"], config["offload_optimizer"])
+
+
 # Issue 26: the optimizer steps during backward (overlap_optimizer, on by default) where the
 # parameters and the optimizer state rest on NVMe; with clipping that clips every early step is dropped.
 EARLY = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "overlap_optimizer": True,
@@ -93,7 +99,8 @@ def test_offloaded_training_matches_eager(world):
     """Issue 4 acceptance 1: parameters and optimizer state on CPU or NVMe train like eager; issue 26
     acceptance 5: so do optimizer steps taken during backward, with accumulation and with clipping off
     or not clipping, gradients on disk and in RAM."""
-    configs = OFFLOAD_CONFIGS if world > 1 else [config for config in OFFLOAD_CONFIGS if "bucket_bytes" not in config]
+    configs = OFFLOAD_CONFIGS if world > 1 else [config for config in OFFLOAD_CONFIGS if "bucket_bytes" not in config
+                                                 and _moves_both_kinds(config)]
     # Early steps at world 1: tests/unit/test_early_adam.py, test_offload_errors.py, test_hf_zoo.py (suite time).
     results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 4, "batch": 2,
                                                "configs": configs + (EARLY_CONFIGS if world > 1 else [])})
@@ -188,11 +195,10 @@ def _check_hsdp(results, refusals):
 @pytest.mark.slow  # world 2 covers each of these in the default run, and test_hsdp_on_a_2x2_mesh_equals_eager HSDP
 def test_at_world_4_stages_offload_buckets_early_steps_and_hsdp_equal_eager():
     """World size 4, one launch of four processes (suite time): ZeRO stages 0-3 (broadcast partitioning at
-    stage 3 only; worlds 1 and 2 run the rest); issue 13 acceptance 2: buckets with shards on CPU memory
+    stages 1-3: world 2 runs it at stage 3 only); issue 13 acceptance 2: buckets with shards on CPU memory
     and on NVMe, one collective per parameter on NVMe, tiles next to buckets; issue 26: optimizer steps
     taken during backward; issue 27 acceptance 2: HSDP on a 2x2 mesh (see _check_hsdp)."""
-    stages = [config for config in CONFIGS if "bucket_bytes" not in config
-              and (config.get("partition") != "broadcast" or config["stage"] == 3)]
+    stages = [config for config in CONFIGS if "bucket_bytes" not in config]
     configs = stages + [{"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
                {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "bucket_bytes": 0},
                # The MLP weights (16 KiB) tiled, alone, next to bucketed parameters, on NVMe.
@@ -222,6 +228,8 @@ def test_hsdp_on_a_2x2_mesh_equals_eager():
 def test_zero_stages_match_eager(world):
     # Buckets only exist at world size > 1 (a world-1 run of those configs would repeat the default one).
     configs = CONFIGS if world == 2 else [config for config in CONFIGS if "bucket_bytes" not in config]
+    if world == 2:  # broadcast partitioning at stage 3 only (suite time): the world-4 test runs stages 1-2 with it
+        configs = [config for config in configs if config.get("partition") != "broadcast" or config["stage"] == 3]
     results = run_ranks(world, "zero_worker", {"model": MODEL, "steps": 4, "batch": 2, "configs": configs})
     _check(results, world)
     _check_memory_report(results, world)
