@@ -3,8 +3,9 @@
 Layouts (``"layout"``): ``tp2dp2`` (world 4, ``init_device_mesh(("dp", "tp"))``), ``tp2dp1`` and ``tp1dp2``
 (world 2; tp 1 is the plain model over the default group).  The model goes through torch's TP plan
 (``parallelize_module`` per layer), compiles with zinf at stage 3 over ``mesh["dp"]`` and trains with zinf's
-AdamW on this dp rank's rows of each whole batch; the reference is the plain model in eager on the whole
-batch (``torch.optim.AdamW``).  ``"phase"``:
+AdamW on this dp rank's share of each whole batch (``BATCH`` rows at every layout: a load at another dp size
+takes the saving run's batches); the reference is the plain model in eager on the whole batch
+(``torch.optim.AdamW``).  ``"phase"``:
 
 - ``train`` (tp2dp2): the losses (averaged over dp: the whole batch's) and ``zinf.full_state_dict`` beside
   eager's, and ``memory_report``; with ``"checkpoint"`` (a folder): ``zinf.save`` after step ``steps - 1``,
@@ -28,7 +29,7 @@ from multirank import finish_rank, start_rank
 from usage import relative_error
 
 ADAMW = dict(lr=1e-2, eps=1e-4, weight_decay=0.01)  # (test_hf_zoo's: eps 1e-4 keeps rounding from growing)
-ROWS = 2  # each dp rank's rows of a whole batch
+BATCH = 4  # the rows of a whole batch, at every layout (each dp rank takes its share)
 SEQ = 16
 
 
@@ -66,9 +67,9 @@ def parallelize(model: torch.nn.Module, kind: str, tp_mesh) -> None:
                                         "lm_head": ColwiseParallel(output_layouts=Replicate())})
 
 
-def whole_batch(kind: str, step: int, dp: int) -> torch.Tensor:
+def whole_batch(kind: str, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1 + step)
-    return torch.randint(3, 64 if kind == "gpt" else 128, (ROWS * dp, SEQ + 1), generator=generator)
+    return torch.randint(3, 64 if kind == "gpt" else 128, (BATCH, SEQ + 1), generator=generator)
 
 
 def loss_of(model, kind: str, ids: torch.Tensor) -> torch.Tensor:
@@ -77,13 +78,13 @@ def loss_of(model, kind: str, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def eager_run(kind: str, steps: int, dp: int):
+def eager_run(kind: str, steps: int):
     """The reference: the plain model in eager on the whole batch."""
     model = build(kind)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)  # (zinf's AdamW runs the fused kernel)
     losses = []
     for step in range(steps):
-        loss = loss_of(model, kind, whole_batch(kind, step, dp))
+        loss = loss_of(model, kind, whole_batch(kind, step))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -123,7 +124,8 @@ class Layout:
 
     def step(self, compiled, optimizer, kind: str, step: int) -> float:
         """One step on this dp rank's rows; the whole batch's loss (the mean over dp ranks)."""
-        rows = whole_batch(kind, step, self.dp)[self.dp_rank * ROWS:(self.dp_rank + 1) * ROWS]
+        share = BATCH // self.dp
+        rows = whole_batch(kind, step)[self.dp_rank * share:(self.dp_rank + 1) * share]
         loss = loss_of(compiled, kind, rows)
         loss.backward()
         optimizer.step()
@@ -153,7 +155,7 @@ def train_phase(args: dict, layout: Layout, result: dict) -> None:
     import zinf_compiler as zinf
 
     kind, steps, options, root = args["model"], args.get("steps", 3), args.get("options", {}), args.get("checkpoint")
-    eager, result["eager_losses"] = eager_run(kind, steps, layout.dp)
+    eager, result["eager_losses"] = eager_run(kind, steps)
     model, compiled, optimizer = layout.model(kind, options, os.environ["TMPDIR"], "train")
     losses = []
     for step in range(steps):
@@ -200,7 +202,7 @@ def load_phase(args: dict, layout: Layout, result: dict) -> None:
     model, compiled, optimizer = layout.model(kind, args.get("options", {}), os.environ["TMPDIR"], "load")
     zinf.load(os.path.join(root, "ckpt"), model, optimizer)
     result["loaded_differs"] = differing(full_state(model), torch.load(os.path.join(root, "saved.pt")))
-    layout.step(compiled, optimizer, kind, steps - 1)
+    result["loss"] = layout.step(compiled, optimizer, kind, steps - 1)
     continued = torch.load(os.path.join(root, "continued.pt"))
     state = full_state(model)
     result["param_errors"] = {name: relative_error(value, state[name]) for name, value in continued.items()}
