@@ -35,10 +35,11 @@ SEQ = 16
 
 def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    if kind == "gpt":
+    if kind.startswith("gpt"):  # ("gpt_fused": the default GPT, its attention one fused qkv Linear)
         from zinf_compiler.gpt import GPT, GPTConfig
 
-        return GPT(GPTConfig(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32))
+        return GPT(GPTConfig(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32,
+                             separate_qkv=kind == "gpt"))
     import transformers
 
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -49,14 +50,20 @@ def build(kind: str) -> torch.nn.Module:
 
 
 def parallelize(model: torch.nn.Module, kind: str, tp_mesh) -> None:
-    """torch's plan: colwise q/k/v and up/gate, rowwise o and down (HF Llama views heads as -1: each tp rank
-    computes its own heads).  The GPT's attention is one fused ``qkv`` Linear whose output is split in three:
-    colwise, tp rank 0 would get q and half of k, so only its MLP (fc colwise, proj rowwise) is parallelized.
+    """torch's plan: colwise q/k/v and up/gate, rowwise o and down (HF Llama views heads as -1; the GPT, built
+    with ``separate_qkv``, counts its heads from q's width: each tp rank computes its own heads).  The GPT's
+    MLP is fc colwise, proj rowwise; its tied embedding / LM head and position embedding stay whole over tp.
     The Llama's embedding (rowwise, over the vocabulary) and LM head (colwise, output replicated) are split
     too, as torchtitan does: each rank then holds about a quarter of the model."""
+    if kind == "gpt_fused":  # (the naive plan, refused by the GPT: colwise would mix q, k and v)
+        for block in model.blocks:
+            parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()})
+        return
     if kind == "gpt":
         for block in model.blocks:
-            parallelize_module(block, tp_mesh, {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+            parallelize_module(block, tp_mesh, {
+                "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
         return
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, {
@@ -69,12 +76,12 @@ def parallelize(model: torch.nn.Module, kind: str, tp_mesh) -> None:
 
 def whole_batch(kind: str, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1 + step)
-    return torch.randint(3, 64 if kind == "gpt" else 128, (BATCH, SEQ + 1), generator=generator)
+    return torch.randint(3, 64 if kind.startswith("gpt") else 128, (BATCH, SEQ + 1), generator=generator)
 
 
 def loss_of(model, kind: str, ids: torch.Tensor) -> torch.Tensor:
-    if kind == "gpt":
-        return model(ids[:, :-1], ids[:, 1:])
+    if kind.startswith("gpt"):
+        return model(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -169,6 +176,7 @@ def train_phase(args: dict, layout: Layout, result: dict) -> None:
     state = full_state(model)
     eager_state = eager.state_dict()
     result["param_errors"] = {name: relative_error(value, state[name]) for name, value in eager_state.items()}
+    result["param_abs_errors"] = {name: (value - state[name]).abs().max().item() for name, value in eager_state.items()}
     report = zinf.memory_report(model)
     whole_params = sum(p.numel() * p.element_size() for p in eager.parameters())
     result["states_fraction"] = states_bytes(report) / (3 * whole_params)  # (params, exp_avg, exp_avg_sq)
