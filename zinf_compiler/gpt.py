@@ -28,6 +28,9 @@ class GPTConfig:
     frozen_scale: bool = False
     graph_break: bool = False  # a data-dependent branch in forward splits the Dynamo graph
     dropout: float = 0.0  # residual dropout after attention and MLP (GPT-2's resid_pdrop), in training mode
+    # Attention's q, k and v as three Linears (``attn.q``, ``attn.k``, ``attn.v``) instead of the fused ``attn.qkv``:
+    # what tensor parallelism's colwise plan splits by heads (a colwise ``qkv`` would split [q|k|v] across ranks).
+    separate_qkv: bool = False
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -36,23 +39,39 @@ def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one fused ``qkv`` projection, SDPA, then the output projection."""
+    """Multi-head causal self-attention: one fused ``qkv`` projection (or ``q``, ``k``, ``v``: ``separate_qkv``),
+    SDPA, then the output projection."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        if cfg.separate_qkv:
+            self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
+        else:
+            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj.residual_projection = True  # scaled init (GPT-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (batch, seq, n_embd) attended causally along its sequence, same shape (dropout after ``proj``)."""
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if hasattr(self, "qkv"):
+            if any(placement.is_shard() for placement in getattr(self.qkv.weight, "placements", ())):
+                # (checked before any op: under torch.compile the graph breaks here, with no TP op traced yet)
+                raise ValueError(
+                    "GPT attention: the fused qkv projection is sharded over tensor-parallel ranks (a DTensor "
+                    f"placed {tuple(self.qkv.weight.placements)}), which would mix q, k and v across ranks; build "
+                    "the GPT with GPTConfig(separate_qkv=True) and parallelize attn.q, attn.k, attn.v colwise")
+            q, k, v = self.qkv(x).split(width, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        # The heads this rank computes: all of them, or under tensor parallelism its share (its q/k/v columns).
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return _dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, width)), self.dropout, self.training)
+        return _dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)), self.dropout,
+                        self.training)
 
 
 class MLP(nn.Module):

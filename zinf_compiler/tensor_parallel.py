@@ -11,8 +11,14 @@ gradient of ``from_local`` is the local gradient in the parameter's placements (
 all-reduced over tp first), which zinf then reduces over dp.
 
 Stage 3 only, for now: at stages 1-2 the gradient autograd leaves on the call's alias never reaches the
-optimizer, so :func:`check_params` refuses them, as it refuses a mesh that spans tp ranks.  Checkpoints
-of a tp x dp model are refused by ``zinf.save`` (a mesh over every rank is needed).  Issue 37 has the rest.
+optimizer, so :func:`check_params` refuses them, as it refuses a mesh that spans tp ranks.
+
+Checkpoints (``zinf.save`` / ``load`` / ``export``): a piece of a checkpoint is a range of the *whole* flat
+tensor (:func:`global_ranges` maps a rank's ranges of its TP-local tensor there), every rank writes its own
+file, and what every tp rank holds alike (plain and Replicate parameters) is written by tp rank 0 alone.
+So a checkpoint saved at one tp x dp layout loads at any other (tp 1 is the plain model).  Refused: several
+tp meshes in one model, a tp mesh of more than one dimension, placements other than Shard and Replicate.
+Issue 37 has the rest.
 """
 
 from __future__ import annotations
@@ -96,6 +102,8 @@ def full_tensor(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     layout = layout_of(param)
     if layout is None:
         return value
+    if isinstance(value, DTensor):  # (a parameter zinf has not adopted yet: still the DTensor itself)
+        return value.full_tensor()
     return DTensor.from_local(value, layout.mesh, layout.placements, run_check=False, shape=layout.shape,
                               stride=layout.stride).full_tensor()
 
@@ -129,3 +137,82 @@ def local_input(param: torch.Tensor) -> torch.Tensor:
     """What a rewritten graph takes for DTensor ``param``: a new alias of its local tensor that requires
     grad as ``param`` does (autograd must run the graph's backward, where zinf reduces the gradient)."""
     return param._local_tensor.detach().requires_grad_(param.requires_grad)
+
+
+# ---- Checkpoints: a TP-local tensor's elements as ranges of the whole (global) flat tensor ----
+
+def model_tp_mesh(params) -> object | None:
+    """The one tp DeviceMesh of the DTensor ``params`` (None: no tensor-parallel parameter).  Checkpoints of
+    parameters on several tp meshes, or on a tp mesh of more than one dimension, are refused."""
+    from .runtime.checkpoint_files import ZinfCheckpointError
+
+    meshes = {}
+    for param in params:
+        layout = layout_of(param)
+        if layout is not None:
+            meshes.setdefault(id(layout.mesh), layout.mesh)
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ZinfCheckpointError("zinf checkpoints: the model's tensor-parallel parameters lie on "
+                                  f"{len(meshes)} different device meshes; one tp mesh per model is supported")
+    (mesh,) = meshes.values()
+    if mesh.ndim != 1:
+        raise ZinfCheckpointError(f"zinf checkpoints: a {mesh.ndim}-D tensor-parallel mesh is not supported (a "
+                                  f"1-D mesh[\"tp\"] is)")
+    return mesh
+
+
+def holds_own_slice(param: torch.Tensor) -> bool:
+    """Whether ``param``'s TP-local tensor is a slice no other tp rank holds (a Shard placement); a Replicate
+    DTensor or a plain parameter of a TP model is the same on every tp rank (tp rank 0 alone saves it)."""
+    layout = layout_of(param)
+    return layout is not None and any(placement.is_shard() for placement in layout.placements)
+
+
+def global_shape(param: torch.Tensor, local_shape) -> torch.Size:
+    """The whole tensor's shape: a DTensor's global one, else ``local_shape`` (the store record's)."""
+    layout = layout_of(param)
+    return layout.shape if layout is not None else torch.Size(local_shape)
+
+
+def global_ranges(param: torch.Tensor, ranges) -> list[tuple[int, int, int]]:
+    """``ranges`` ``(first, stop, local_start)`` of ``param``'s TP-local flat tensor, as ranges of its whole
+    flat tensor (the same ``local_start``): what checkpoint pieces record, so that any tp x dp layout can read
+    them.  The local tensor of a ``Shard(d)`` placement is, in the whole tensor, one contiguous run per index
+    of the dims before ``d``; a range is split where a run ends.  A plain parameter's ranges are returned as
+    they are.  Placements other than Shard and Replicate (Partial, strided shards) are refused."""
+    from .runtime.checkpoint_files import ZinfCheckpointError
+
+    layout = layout_of(param)
+    if layout is None:
+        return list(ranges)
+    (placement,) = layout.placements  # (model_tp_mesh: a 1-D tp mesh)
+    if placement.is_replicate():
+        return list(ranges)
+    if type(placement).__name__ != "Shard":
+        raise ZinfCheckpointError(f"zinf checkpoints: a parameter placed {placement} over the tp mesh is not "
+                                  f"supported (Shard and Replicate are)")
+    shape, local_shape = list(layout.shape), list(param._local_tensor.shape)
+    dim = placement.dim % len(shape)
+    chunk = -(-shape[dim] // layout.mesh.size())  # torch.chunk's split: every shard but the last holds this many
+    offset = layout.mesh.get_local_rank() * chunk
+    run = local_shape[dim] * _product(shape[dim + 1:])  # the local elements in one contiguous global run
+    stride = _product(shape[dim:])  # the global elements from one run's start to the next's
+    base = offset * _product(shape[dim + 1:])
+    out = []
+    for first, stop, local_start in ranges:
+        while first < stop:
+            index, within = divmod(first, run)
+            length = min(stop - first, run - within)
+            start = index * stride + base + within
+            out.append((start, start + length, local_start))
+            first, local_start = first + length, local_start + length
+    return out
+
+
+def _product(sizes) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total

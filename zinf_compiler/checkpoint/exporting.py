@@ -9,6 +9,7 @@ import tempfile
 
 import torch
 
+from .. import tensor_parallel
 from ..api import store_of, unwrap
 from ..runtime.checkpoint_files import DTYPES_BY_NAME, SafetensorsWriter, fsync_dir, replace_into_place
 from ..runtime.store import ParamRecord, ParamStore
@@ -45,7 +46,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     entries = []
     for name, tensor in tensors:
         record = store.lookup(tensor)
-        shape = tuple(record.shape if record is not None else tensor.shape)
+        shape = tuple(tensor_parallel.global_shape(tensor, record.shape if record is not None else tensor.shape))
         out_dtype = dtype if dtype is not None and tensor.is_floating_point() else (
             record.dtype if record is not None else tensor.dtype)
         entries.append((name, out_dtype, shape))
@@ -58,6 +59,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
             record = store.lookup(tensor)
             if record is not None and record.stage == 3:
                 with _gathered(store, record) as full:  # a collective: every rank, in the same order
+                    full = tensor_parallel.full_tensor(tensor, full.view(record.shape))  # (a DTensor: over tp too)
                     if writer is not None:
                         writer.write(name, full.to(out_dtype))
             elif writer is not None:

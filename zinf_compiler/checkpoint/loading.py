@@ -11,12 +11,14 @@ from typing import Any, Callable
 
 import torch
 
+from .. import tensor_parallel
 from ..api import store_of
 from ..optim import Slot, ZinfOptimizer
 from ..runtime.checkpoint_files import DTYPES_BY_NAME, ZinfCheckpointError, read_checked, read_json_checked
 from ..runtime.store import ParamStore
 from .format import COMMIT_MARKER, set_rng_state, tupled
-from .model_state import check_optimizer, counts_steps, model_mesh, named_buffers, named_params, sharded
+from .model_state import (check_optimizer, counts_steps, model_mesh, named_buffers, named_params, sharded, tp_mesh_of,
+                          tp_meta)
 from .reader import Checkpoint
 from .validation import hyper_problems, is_number
 
@@ -86,7 +88,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     store.claim(model_params)
     for group in store.groups_of(model_params):
         group.fp16_scaler.load_state(meta["fp16_scaler"])
-    if meta["world_size"] == comm.world_size and mesh is None and "mesh" not in meta:
+    tp_mesh = tp_mesh_of(model)
+    same_layout = meta.get("tp") == (tp_meta(tp_mesh, comm.world_size) if tp_mesh is not None else None) and (
+        tp_mesh is not None or (mesh is None and "mesh" not in meta))
+    if meta["world_size"] == comm.world_size and same_layout:
         set_rng_state(checkpoint.manifests[comm.rank]["rng"])
     else:
         log.info("zinf.load: saved over %d rank(s)%s, loaded at %d%s: RNG states not restored",
@@ -132,7 +137,7 @@ def _check_matches(store: ParamStore, checkpoint: Checkpoint, model, optimizer) 
     shapes = []
     for name, param in named:
         record = store.lookup(param)
-        shape = list(record.shape if record is not None else param.shape)
+        shape = list(tensor_parallel.global_shape(param, record.shape if record is not None else param.shape))
         if name in saved and saved[name]["shape"] != shape:
             shapes.append(f"{name} has shape {tuple(shape)}, the checkpoint {tuple(saved[name]['shape'])}")
     problems += shapes[:4] + ([f"{len(shapes) - 4} more shapes differ"] if len(shapes) > 4 else [])
@@ -175,13 +180,17 @@ def _load_model(store: ParamStore, checkpoint: Checkpoint, model) -> None:
         if sharded(record):
             records.append(record)
             if record.stage == 3:
-                store.assign_local(record, checkpoint.read_local(record, name, "value", record.holding_dtype))
+                store.assign_local(record, checkpoint.read_local(record, param, name, "value", record.holding_dtype))
                 continue
             # Stages 1-2: the full parameter is in memory anyway; the master takes the saved fp32 values.
             full = checkpoint.read_full(name, "value", record.numel, record.holding_dtype)
             param.data.copy_(full.view(record.shape))
             store.assign_full(record, full.view(record.shape))
             record.synced_version = param._version
+        elif tensor_parallel.layout_of(param) is not None:  # (not adopted yet) its TP-local slice of the whole
+            local = tensor_parallel.local_of(param)
+            local.copy_(checkpoint.read_ranges(name, "value", tensor_parallel.global_ranges(
+                param, [(0, local.numel(), 0)]), local.numel(), local.dtype).view(local.shape))
         else:
             full = checkpoint.read_full(name, "value", param.numel(), param.dtype)
             param.copy_(full.view(param.shape))
@@ -216,7 +225,7 @@ class _SavedOptimizerState:
         """
         for slot in optimizer.slots():
             if sharded(slot.record):
-                value = self.checkpoint.read_local(slot.record, self.names[id(slot.param)], "value",
+                value = self.checkpoint.read_local(slot.record, slot.param, self.names[id(slot.param)], "value",
                                                    slot.record.holding_dtype)
                 self.store.assign_local(slot.record, value)
         optimizer.load_state((slot, self._slot_state(slot)) for slot in optimizer.slots())
@@ -237,7 +246,8 @@ class _SavedOptimizerState:
             if not steps or not record.owns_state:
                 return {}
             return _ReadOnLookup({"step": steps},
-                                 lambda kind: checkpoint.read_local(record, name, "state." + kind, torch.float32))
+                                 lambda kind: checkpoint.read_local(record, slot.param, name, "state." + kind,
+                                                                    torch.float32))
         state = {}
         for kind, (value, dtype_name) in checkpoint.scalars.get(name, {}).items():
             state[kind] = value if dtype_name == "python" else torch.tensor(value, dtype=DTYPES_BY_NAME[dtype_name])
@@ -247,7 +257,7 @@ class _SavedOptimizerState:
             if sharded(record):
                 if not record.owns_state:
                     return {}
-                value = checkpoint.read_local(record, name, kind, dtype)
+                value = checkpoint.read_local(record, slot.param, name, kind, dtype)
             else:
                 value = checkpoint.read_full(name, kind, slot.param.numel(), dtype).view(slot.param.shape)
             state[kind[len("state."):]] = value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import tensor_parallel
 from ..api import unwrap
 from ..optim import ZinfOptimizer
 from ..runtime.checkpoint_files import ZinfCheckpointError
@@ -13,8 +14,11 @@ from ..runtime.store import ParamRecord, ParamStore
 def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str) -> dict:
     """The meshes the model's sharded parameters use: ``{None or id(mesh): (a parameter's name, mesh or None)}``
     (None: the default group's ranks).  A mesh over only some of the ranks is refused naming the parameter:
-    all ranks call save, load and export."""
+    all ranks call save, load and export.  A tensor-parallel model's data-parallel mesh (``mesh["dp"]``) spans
+    every rank together with its tp mesh."""
     meshes = {}
+    tp_mesh = tp_mesh_of(model)
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
     for _, param in named_params(model):
         record = store.lookup(param)
         if record is None:
@@ -22,7 +26,11 @@ def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str) -> dic
         if record.mesh.is_default:
             meshes.setdefault(None, (record.name, None))
             continue
-        if record.mesh.everyone.world_size != store.comm.world_size:
+        if tp_mesh is not None and record.mesh.replicate is not None:
+            raise ZinfCheckpointError(f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} "
+                                      f"(option mesh: HSDP) beside tensor parallelism; checkpoints of a tp model "
+                                      f"take a 1-D data-parallel mesh (mesh[\"dp\"])")
+        if record.mesh.everyone.world_size * tp_size != store.comm.world_size:
             raise ZinfCheckpointError(
                 f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh), which "
                 f"spans {record.mesh.everyone.world_size} of the {store.comm.world_size} ranks; checkpoints "
@@ -46,6 +54,16 @@ def model_mesh(store: ParamStore, model: torch.nn.Module, what: str):
         raise ZinfCheckpointError(f"zinf.{what}: parameters {first} and {second} are sharded over different meshes "
                                   f"({describe(mesh)}, {describe(other)}); save each model on its own")
     return next(iter(meshes.values()))[1] if meshes else None
+
+
+def tp_mesh_of(model: torch.nn.Module):
+    """The model's tensor-parallel DeviceMesh (None: no DTensor parameter)."""
+    return tensor_parallel.model_tp_mesh(param for _, param in named_params(model))
+
+
+def tp_meta(tp_mesh, world_size: int) -> dict:
+    """The tp x dp layout a checkpoint was saved at (``meta["tp"]``)."""
+    return {"tp": tp_mesh.size(), "dp": world_size // tp_mesh.size()}
 
 
 def named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

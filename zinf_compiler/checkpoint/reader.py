@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from .. import tensor_parallel
 from ..runtime.checkpoint_files import (DTYPE_NAMES, DTYPES_BY_NAME, RangeReader, ZinfCheckpointError, read_checked,
                                         read_json_checked, verify_data_file)
 from ..runtime.store import ParamRecord
@@ -138,9 +139,12 @@ class Checkpoint:
         """The whole flat tensor ``name`` (``kind``) of ``numel`` elements, whatever world size wrote it."""
         return self.read_ranges(name, kind, [(0, numel, 0)], numel, dtype)
 
-    def read_local(self, record: ParamRecord, name: str, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard of ``name`` (``kind``) in this run's layout: the ranges ``record`` owns."""
-        return self.read_ranges(name, kind, record.owned_ranges(), record.local_numel, dtype)
+    def read_local(self, record: ParamRecord, param: torch.Tensor, name: str, kind: str,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of ``name`` (``kind``) in this run's layout: the ranges ``record`` owns (of
+        ``param``'s TP-local tensor, for a tensor-parallel parameter: ranges of the whole tensor then)."""
+        return self.read_ranges(name, kind, tensor_parallel.global_ranges(param, record.owned_ranges()),
+                                record.local_numel, dtype)
 
     def close(self) -> None:
         """Close the data files (the reader's open handles)."""

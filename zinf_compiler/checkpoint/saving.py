@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import tensor_parallel
 from ..api import store_of
 from ..runtime.model_group import combined_scaler_state
 from ..optim import Slot, StreamedState, ZinfOptimizer
@@ -19,7 +20,8 @@ from ..runtime.checkpoint_files import (DTYPE_NAMES, ChecksummedWriter, ZinfChec
                                         replace_into_place, write_file_atomic, write_json_atomic)
 from ..runtime.store import ParamStore
 from .format import COMMIT_MARKER, FORMAT, hyper, rng_state, tensor_chunks, write_ranges
-from .model_state import check_optimizer, model_mesh, named_buffers, named_params, names_by_tensor, sharded
+from .model_state import (check_optimizer, model_mesh, named_buffers, named_params, names_by_tensor, sharded,
+                          tp_mesh_of, tp_meta)
 
 log = logging.getLogger("zinf")
 
@@ -43,7 +45,14 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     # The files are numbered by shard rank.  With replicas (HSDP) every replica holds the same
     # shards: the first writes them, the others only take part in the agreement.
     mesh = model_mesh(store, model, "save")
-    if mesh is None:
+    tp_mesh = tp_mesh_of(model)
+    tp_rank = 0
+    if tp_mesh is not None:
+        # Tensor parallel: one file per rank, its pieces ranges of the whole tensors (tensor_parallel.global_ranges);
+        # what every tp rank holds alike (plain and Replicate parameters) is written by tp rank 0 alone.
+        file_rank, world_size, writes = comm.rank, comm.world_size, True
+        tp_rank = tp_mesh.get_local_rank()
+    elif mesh is None:
         file_rank, world_size, writes = comm.rank, comm.world_size, True
     else:
         file_rank, world_size = mesh.shard.rank, mesh.shard.world_size
@@ -67,7 +76,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     written = None  # (manifest, its CRC32, data bytes) of a rank that writes
     try:
         if writes:
-            manifest = _write_rank(store, staging, file_rank, model, optimizer)
+            manifest = _write_rank(store, staging, file_rank, model, optimizer, tp_rank)
             manifest_name = f"rank-{file_rank:05d}.json"
             manifest_crc = write_json_atomic(os.path.join(staging, manifest_name), manifest)
             written = (manifest_name, manifest_crc, manifest["data"]["bytes"])
@@ -85,7 +94,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if rank == 0:
         try:
             _commit(store, staging, path, model, optimizer, extra, world_size,
-                    {written[0]: written[1] for written, _ in outcomes if written is not None}, mesh)
+                    {written[0]: written[1] for written, _ in outcomes if written is not None}, mesh, tp_mesh)
         except Exception as err:  # the other ranks wait for the outcome, not for a barrier that never comes
             _remove(staging, quiet=True)
             committed, failure = f"{type(err).__name__}: {err}", err
@@ -101,10 +110,13 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
 
 def _commit(store: ParamStore, staging: str, path: str, model, optimizer, extra, world_size: int,
-            manifests: dict[str, int], mesh) -> None:
+            manifests: dict[str, int], mesh, tp_mesh) -> None:
     """Rank 0: write ``extra``, ``meta.json`` and the commit marker into ``staging``, then publish it at ``path``."""
     meta = _meta(store, model, optimizer, world_size, manifests)
-    if mesh is not None:
+    if tp_mesh is not None:
+        # Said for the reader: RNG states are restored only into the same layout.
+        meta["tp"] = tp_meta(tp_mesh, world_size)
+    elif mesh is not None:
         # Said for the reader: the files are the shard group's; RNG states are the writing replica's only.
         meta["mesh"] = {"replicas": mesh.replicate.world_size if mesh.replicate is not None else 1,
                         "shards": mesh.shard.world_size}
@@ -170,15 +182,18 @@ def _publish(staging: str, path: str) -> None:
     _remove(old, quiet=True)
 
 
-def _write_rank(store: ParamStore, staging: str, rank: int, model, optimizer) -> dict:
+def _write_rank(store: ParamStore, staging: str, rank: int, model, optimizer, tp_rank: int = 0) -> dict:
     writer = ChecksummedWriter(os.path.join(staging, f"rank-{rank:05d}.bin"))
     entries, scalars = [], {}
     try:
         named = named_params(model)
         for name, param in named:
             record = store.lookup(param)
+            if tp_rank and not tensor_parallel.holds_own_slice(param):
+                continue
             if sharded(record):
-                pieces = write_ranges(writer, store.local_value_chunks(record), record.owned_ranges())
+                pieces = write_ranges(writer, store.local_value_chunks(record),
+                                      tensor_parallel.global_ranges(param, record.owned_ranges()))
                 dtype = record.holding_dtype
             elif rank == 0:
                 full = param.detach().reshape(-1)
@@ -199,6 +214,8 @@ def _write_rank(store: ParamStore, staging: str, rank: int, model, optimizer) ->
                 if name is None:
                     raise ZinfCheckpointError("the optimizer holds a parameter that is not one of the model's; save "
                                               "a model together with the optimizer over its own parameters")
+                if tp_rank and not tensor_parallel.holds_own_slice(slot.param):
+                    continue
                 for kind, dtype, chunks, ranges, scalar in _optimizer_state(optimizer, slot, rank):
                     if scalar is not None:
                         scalars.setdefault(name, {})[kind] = scalar
@@ -223,15 +240,16 @@ def _optimizer_state(optimizer: ZinfOptimizer, slot: Slot, rank: int):
     record = slot.record
     if not sharded(record) and rank != 0:
         return
+    ranges = tensor_parallel.global_ranges(slot.param, record.owned_ranges()) if sharded(record) else None
     for kind, value in optimizer.save_state(slot):
         if isinstance(value, StreamedState):
-            yield kind, value.dtype, value.chunks, record.owned_ranges(), None
+            yield kind, value.dtype, value.chunks, ranges, None
         elif not isinstance(value, torch.Tensor):
             yield kind, None, None, None, [value, "python"]
         elif value.dim() == 0:
             yield kind, None, None, None, [value.item(), DTYPE_NAMES[value.dtype]]
         elif sharded(record):
-            yield kind, value.dtype, tensor_chunks(value.reshape(-1)), record.owned_ranges(), None
+            yield kind, value.dtype, tensor_chunks(value.reshape(-1)), ranges, None
         else:
             yield kind, value.dtype, tensor_chunks(value.reshape(-1)), [(0, value.numel(), 0)], None
 
@@ -247,7 +265,7 @@ def _meta(store: ParamStore, model, optimizer, world_size: int, manifests: dict[
             layout = {"stage": record.stage, "partition": record.partition,
                       "param_dtype": DTYPE_NAMES[record.compute_dtype], "param_tier": record.param_tier,
                       "opt_tier": record.opt_tier, "tile_rows": list(record.tile_rows) if record.tile_rows else None}
-        shape = list(record.shape) if record is not None else list(param.shape)
+        shape = list(tensor_parallel.global_shape(param, record.shape if record is not None else param.shape))
         dtype = record.dtype if record is not None else param.dtype
         params[name] = {"shape": shape, "dtype": DTYPE_NAMES[dtype], "aliases": aliases.get(id(param), [name]),
                         "requires_grad": param.requires_grad, "layout": layout}
