@@ -73,9 +73,17 @@ class Block(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-def build(args) -> torch.nn.Sequential:
+def build(args, keep=range(10**9), prepare=lambda block: None) -> torch.nn.Sequential:
+    """The model (the same initial weights everywhere): of its blocks, those ``keep`` names, each handed to
+    ``prepare`` (sharding) as soon as it is built, so that no rank holds more than one whole block at once."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+    blocks = []
+    for index in range(args.blocks):
+        block = Block(args.width)
+        if index in keep:
+            prepare(block)
+            blocks.append(block)
+    return torch.nn.Sequential(*blocks)
 
 
 def loss_fn(output, target):
@@ -180,14 +188,15 @@ def _tp_system(system: str, args, mesh, rank: int):
     """(step function, optimizer's module) of one TP x DP system."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = build(args)
-    for block in model:
-        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    if system == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-        for block in model:
+    def prepare(block):
+        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        if system == "fsdp2":
             fully_shard(block, mesh=mesh["dp"])
+
+    model = build(args, prepare=prepare)
+    if system == "fsdp2":
         fully_shard(model, mesh=mesh["dp"])
         forward, optimizer = model, torch.optim.AdamW(model.parameters(), **ADAMW)
     else:
@@ -212,15 +221,17 @@ def _pp_system(system: str, args, mesh, rank: int):
 
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     per_stage = args.blocks // 2
-    module = torch.nn.Sequential(*list(build(args))[pp_rank * per_stage: (pp_rank + 1) * per_stage])
+    from torch.distributed.fsdp import fully_shard
+
+    def prepare(block):
+        if system == "fsdp2":
+            fully_shard(block, mesh=mesh["dp"])
+
+    module = build(args, range(pp_rank * per_stage, (pp_rank + 1) * per_stage), prepare)
     micro_rows = args.rows // args.micro_batches
     inputs = torch.empty(micro_rows, args.width, requires_grad=pp_rank > 0)
     outputs = torch.empty(micro_rows, args.width, requires_grad=True)
     if system == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in module:
-            fully_shard(block, mesh=mesh["dp"])
         fully_shard(module, mesh=mesh["dp"])
         stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), input_args=inputs, output_args=outputs,
                               group=mesh["pp"].get_group())
@@ -304,6 +315,8 @@ def worker(args) -> None:
     result["errors"] = errors
     result["systems"] = records
     result["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/statm") as statm:  # what the rank holds while it trains (the peak may be building)
+        result["rss_now"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     with open(f"{os.environ['PEERS_OUT']}.rank{rank}", "w") as handle:
         json.dump(result, handle)
     dist.destroy_process_group()
@@ -425,22 +438,23 @@ def side_by_side(args, composition: str, reference: list[float]) -> None:
 
 def own_processes(args, composition: str, reference: list[float]) -> None:
     print(f"\n### {COMPOSITIONS[composition]}: each system in its own processes (peak RSS)\n")
-    print("| system | losses vs eager | median step (s, not interleaved) | peak RSS per rank (MiB) | max |")
-    print("|---|---|---|---|---|")
+    print("| system | losses vs eager | median step (s, not interleaved) | peak RSS per rank (MiB) | max | RSS after "
+          "the last step, max rank (MiB) |")
+    print("|---|---|---|---|---|---|")
     peaks = {}
     for system in ("fsdp2", "zinf", "zinf_nvme"):
         results = launch(args, composition, [system])
         if "crash" in results[0]:
-            print(f"| {SYSTEMS[system]} | crashed: {results[0]['crash'][-600:]!r} | | | |")
+            print(f"| {SYSTEMS[system]} | crashed: {results[0]['crash'][-600:]!r} | | | | |")
             continue
         if system in results[0]["errors"]:
-            print(f"| {SYSTEMS[system]} | failed: {results[0]['errors'][system][:600]!r} | | | |")
+            print(f"| {SYSTEMS[system]} | failed: {results[0]['errors'][system][:600]!r} | | | | |")
             continue
         error = loss_error(args, global_losses(results, system), reference)
         rss = [r["maxrss"] for r in results]
         peaks[system] = max(rss)
         print(f"| {SYSTEMS[system]} | {error or 'match'} | {statistics.median(results[0]['systems'][system]['times']):.3f} "
-              f"| {', '.join(mib(v) for v in rss)} | {mib(max(rss))} |")
+              f"| {', '.join(mib(v) for v in rss)} | {mib(max(rss))} | {mib(max(r['rss_now'] for r in results))} |")
     if "fsdp2" in peaks:
         print("\n" + "; ".join(f"{SYSTEMS[s]} / FSDP2 peak RSS {peaks[s] / peaks['fsdp2']:.2f}x"
                                for s in peaks if s != "fsdp2"))
@@ -460,9 +474,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--loss-rtol", type=float, default=1e-4)
     parser.add_argument("--timeout", type=float, default=900, help="seconds for one launch's ranks")
     parser.add_argument("--skip-rss", action="store_true", help="side by side only")
+    parser.add_argument("--skip-side", action="store_true", help="own processes (peak RSS) only")
     parser.add_argument("--tmp", default=None, help="folder for the runs' files (zinf's NVMe swap files)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--systems", help=argparse.SUPPRESS)
+    parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.composition = args.worker
     args.systems = args.systems.split(",") if args.systems else []
@@ -476,19 +492,27 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.reference:
+        print(json.dumps(eager_losses(args, total_steps(args))))
+        return 0
     print("command: " + shlex.join(["python", os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]]))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
-    params = sum(p.numel() for p in build(args).parameters())
+    params = args.blocks * (8 * args.width * args.width + 5 * args.width)
     print(f"torch {torch.__version__}, zinf at {commit.stdout.strip()}, {os.cpu_count()} CPUs, load average "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}; world {WORLD} (gloo), 1 thread per rank; "
           f"{args.blocks} blocks of width {args.width}: {params:,} parameters; {args.rows} rows per dp rank, "
           f"zinf lower={args.lower}; {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up")
     started = time.monotonic()
-    reference = eager_losses(args, total_steps(args))
+    # In a process of its own: a child's ru_maxrss starts at its parent's peak, so the parent stays small.
+    reference = json.loads(subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--reference"],
+                                          capture_output=True, text=True, check=True).stdout)
+    print(f"parent's peak RSS {mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)} MiB (a floor under "
+          "each rank's figure)")
     for composition in args.compositions.split(","):
-        log(f"{composition}: side by side")
-        side_by_side(args, composition, reference)
+        if not args.skip_side:
+            log(f"{composition}: side by side")
+            side_by_side(args, composition, reference)
         if not args.skip_rss:
             log(f"{composition}: own processes")
             own_processes(args, composition, reference)
