@@ -49,8 +49,9 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.index == 0:
-            # (positions made here, not the GPT's buffer: zinf rewrites a buffer at each forward, and 1F1B's
-            # next forward would change the indices a pending backward of the position embedding saved)
+            # (positions made here, not the GPT's buffer: zinf copies the buffers a graph reads from rank 0 in
+            # place before each call (option broadcast_buffers), so 1F1B's next forward would bump the version
+            # of the indices a pending backward of the position embedding saved: autograd raises)
             x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
