@@ -4,6 +4,7 @@
     python examples/train_gpt.py --steps 50 --lower eager
     python examples/train_gpt.py --offload cpu         # state in CPU memory instead of NVMe swap files
     torchrun --nproc-per-node 2 examples/train_gpt.py  # 2 ranks, gloo on CPU
+    torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --pp 2   # pipeline x tensor x data parallel
     python examples/train_gpt.py --checkpoint-dir ckpt --save-every 100     # then again with --resume
     torchrun --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py --checkpoint-dir ckpt --resume auto
                                                        # a restart continues from the newest checkpoint
@@ -17,6 +18,7 @@ optimizer, which steps the sharded state.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import resource
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-file", default=None, help="rank 0 appends 'step loss' lines here, the loss exact")
     parser.add_argument("--export", default=None,
                         help="after training, write consolidated weights here (model.safetensors)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torch's TP plan on each block)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (blocks cut evenly, Schedule1F1B); "
+                        "data parallel takes the remaining ranks: world / (tp * pp)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="per step, with --pp above 1")
     args = parser.parse_args(argv)
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     except zinf.ZinfOptionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.tp > 1 or args.pp > 1:
+        return train_parallel(args, cfg, options, data, world, device, say)
     torch.manual_seed(args.seed)
     if args.stage == 3 and args.offload != "none":
         # Offloaded: build the model as shapes only and let zinf fill and
@@ -222,6 +230,110 @@ def main(argv: list[str] | None = None) -> int:
         say(f"weights written to {args.export}/model.safetensors")
     if dist.is_initialized():
         dist.destroy_process_group()
+    return 0
+
+
+def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, world: int, device: torch.device,
+                   say) -> int:
+    """``--tp`` / ``--pp``: the GPT cut into ``--pp`` pipeline stages of blocks (Schedule1F1B), each stage's blocks
+    split over ``--tp`` ranks by torch's TP plan, each stage compiled with zinf (stage 3) over its data-parallel
+    ranks, which take the rest of the world (docs/notes/three_d.md).  ``--batch-size`` rows per dp rank.
+
+    Left out here: checkpoints and ``--export`` (refused: each stage is its own zinf model), gradient clipping
+    (zinf's ``clip_grad_norm_`` spans one stage's dp ranks, not the other stages' and tp ranks' gradients) and
+    the sample (decoding through a pipeline).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from zinf_compiler.gpt_parallel import GPTStage, parallelize_blocks, stage_loss, untie_head
+    from zinf_compiler.pipeline_parallel import ZinfPipelineStage
+
+    tp, pp, micro_batches = args.tp, args.pp, args.micro_batches if args.pp > 1 else 1
+    problems = [f"world {world} is not a multiple of --tp {tp} x --pp {pp}" if world % (tp * pp) else None,
+                f"--n-layer {args.n_layer} does not split into --pp {pp} stages" if args.n_layer % pp else None,
+                f"--n-head {args.n_head} does not split over --tp {tp}" if args.n_head % tp else None,
+                f"--batch-size {args.batch_size} does not split into --micro-batches {micro_batches}"
+                if args.batch_size % micro_batches else None,
+                "--tp/--pp train at --stage 3" if args.stage != 3 else None,
+                "--checkpoint-dir, --resume and --export are not supported with --tp/--pp yet"
+                if args.checkpoint_dir or args.resume != "never" or args.export else None]
+    if any(problems):
+        print(f"error: {'; '.join(p for p in problems if p)}", file=sys.stderr)
+        return 2
+    dp = world // (tp * pp)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(args.seed)
+    model = GPT(dataclasses.replace(cfg, separate_qkv=True)).to(device)
+    if pp > 1:
+        untie_head(model)  # (the embedding and the LM head lie in different stages)
+    n_params = sum(p.numel() for p in model.parameters())
+    module = GPTStage(model, pp_rank, pp)
+    if tp > 1:
+        parallelize_blocks(module, mesh["tp"])
+    zinf.register()
+    compiled = torch.compile(module, backend="zinf", options={**options, "mesh": mesh["dp"]})
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if pp > 1:
+        rows = args.batch_size // micro_batches
+        boundary = torch.empty(rows, args.block_size, args.n_embd, device=device, requires_grad=True)
+        ids = torch.zeros(rows, args.block_size, dtype=torch.long, device=device)
+        logits = torch.empty(rows, args.block_size, cfg.vocab_size, device=device, requires_grad=True)
+        stage = ZinfPipelineStage(compiled, pp_rank, pp, device, input_args=ids if first else boundary,
+                                  output_args=logits if last else boundary, group=mesh["pp"].get_group())
+        pipeline = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=stage_loss)
+    opt = zinf.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))
+    say(f"zinf example: GPT {n_params / 1e6:.2f}M params, world {world} = pp {pp} x dp {dp} x tp {tp}"
+        f"{f', {micro_batches} micro-batches' if pp > 1 else ''}, options {options}; no gradient clipping")
+    first_loss = loss_value = None
+    started = last_log = time.perf_counter()
+    tokens_since_log = 0
+    for step in range(1, args.steps + 1):
+        idx, targets = batch_at(data, step, dp_rank, dp, args.batch_size, args.block_size, args.seed)
+        idx, targets = idx.to(device), targets.to(device)
+        micro_losses = []
+        if pp == 1:
+            loss = stage_loss(compiled(idx), targets)
+            loss.backward()
+            micro_losses.append(loss.detach())
+        elif first:
+            pipeline.step(idx)
+        elif last:
+            pipeline.step(target=targets, losses=micro_losses)
+        else:
+            pipeline.step()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        # The whole batch's loss on every rank: the last stage's, averaged over dp (the other stages add 0).
+        loss = torch.stack(micro_losses).mean().detach() if last else torch.zeros((), device=device)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+        if pp > 1:
+            dist.all_reduce(loss, group=mesh["pp"].get_group())
+        loss_value = loss.item()
+        first_loss = loss_value if first_loss is None else first_loss
+        tokens_since_log += idx.numel() * dp
+        if args.loss_file and dist.get_rank() == 0:
+            with open(args.loss_file, "a") as losses:
+                losses.write(f"{step} {loss_value!r}\n")
+        if step == 1:
+            say(f"first step (includes compiling) took {time.perf_counter() - started:.1f}s")
+            last_log, tokens_since_log = time.perf_counter(), 0
+        elif step % args.log_every == 0 or step == args.steps:
+            now = time.perf_counter()
+            say(f"step {step:>5}/{args.steps} loss {loss_value:.4f}  {tokens_since_log / max(now - last_log, 1e-9):,.0f} "
+                f"tok/s", flush=True)
+            last_log, tokens_since_log = now, 0
+    report = zinf.memory_report(compiled)
+    for tier in ("device", "cpu", "nvme"):
+        held = report[tier]
+        say(f"{tier:>6} tier on rank 0 (stage 0): params {held['params']:,} B, grads {held['grads']:,} B, "
+            f"optimizer {held['optimizer']:,} B")
+    say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
+        f"{time.perf_counter() - started:.0f}s in all")
+    dist.destroy_process_group()
     return 0
 
 
