@@ -87,6 +87,20 @@ def start_rank() -> tuple[dict, int, int]:
     return args, world, dist.get_rank() if world > 1 else 0
 
 
+def record_error(result: dict, err: BaseException) -> None:
+    """In a worker's ``except``: note ``err`` and its trace in ``result`` for the test to check and show."""
+    import traceback
+
+    result["error"] = f"{type(err).__name__}: {err}"[:3000]
+    result["trace"] = traceback.format_exc()[-6000:]
+
+
+def write_result(result: dict) -> None:
+    """In a worker: ``result`` as this rank's output (what :func:`run_ranks` returns for it)."""
+    with open(os.environ["ZINFTEST_OUT"], "w") as out:
+        json.dump(result, out)
+
+
 def wait_for_rank(rank: int, limit: float) -> None:
     """In a worker: stay alive until rank ``rank`` has written its result (at most ``limit`` seconds),
     e.g. while it waits out a collective this rank never joins."""

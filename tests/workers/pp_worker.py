@@ -11,7 +11,6 @@ count; or the error raised.
 
 import json
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 import zinf_compiler as zinf
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.pipeline_parallel import ZinfPipelineStage
-from multirank import finish_rank, start_rank
+from multirank import finish_rank, record_error, start_rank, write_result
 
 WIDTH = 16
 BLOCKS = 4  # two per stage
@@ -144,11 +143,9 @@ def main():
             scale = expected.abs().max().clamp_min(1e-12)
             errors[name] = ((expected - value).abs().max() / scale).item()
         result["param_errors"] = errors
-    except Exception as err:  # recorded for the test to check
-        result["error"] = f"{type(err).__name__}: {err}"[:3000]
-        result["trace"] = traceback.format_exc()[-6000:]
-    with open(os.environ["ZINFTEST_OUT"], "w") as out:
-        json.dump(result, out)
+    except Exception as err:
+        record_error(result, err)
+    write_result(result)
     finish_rank()
 
 

@@ -11,10 +11,6 @@ parameter (``zinf.full_state_dict``: gathered over dp, then over tp) against eag
 or the error raised.  ``"lower"``: zinf's lowering (default ``"eager"``).
 """
 
-import json
-import os
-import traceback
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -24,7 +20,7 @@ import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig
 from zinf_compiler.gpt_parallel import GPTStage, parallelize_blocks, stage_loss, untie_head
 from zinf_compiler.pipeline_parallel import ZinfPipelineStage
-from multirank import finish_rank, start_rank
+from multirank import finish_rank, record_error, start_rank, write_result
 from usage import relative_error
 
 PP, DP, TP = 2, 2, 2
@@ -107,11 +103,9 @@ def main():
         mesh = init_device_mesh("cpu", (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
         result["stage"] = mesh["pp"].get_local_rank()
         train(args, mesh, result)
-    except Exception as err:  # recorded for the test to check
-        result["error"] = f"{type(err).__name__}: {err}"[:3000]
-        result["trace"] = traceback.format_exc()[-6000:]
-    with open(os.environ["ZINFTEST_OUT"], "w") as out:
-        json.dump(result, out)
+    except Exception as err:
+        record_error(result, err)
+    write_result(result)
     finish_rank()
 
 

@@ -15,9 +15,7 @@ takes the saving run's batches); the reference is the plain model in eager on th
   against the one saved (bytes), then the last step against the saving run's.
 """
 
-import json
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -25,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from multirank import finish_rank, start_rank
+from multirank import finish_rank, record_error, start_rank, write_result
 from usage import relative_error
 
 ADAMW = dict(lr=1e-2, eps=1e-4, weight_decay=0.01)  # (test_hf_zoo's: eps 1e-4 keeps rounding from growing)
@@ -222,11 +220,9 @@ def main():
     try:
         layout = Layout(args.get("layout", "tp2dp2"), world)
         (load_phase if args.get("phase") == "load" else train_phase)(args, layout, result)
-    except Exception as err:  # recorded for the test to check
-        result["error"] = f"{type(err).__name__}: {err}"[:3000]
-        result["trace"] = traceback.format_exc()[-6000:]
-    with open(os.environ["ZINFTEST_OUT"], "w") as out:
-        json.dump(result, out)
+    except Exception as err:
+        record_error(result, err)
+    write_result(result)
     finish_rank()
 
 

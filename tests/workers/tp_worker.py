@@ -7,9 +7,7 @@ eager (parallelized the same way, its gradients all-reduced over dp by hand).  R
 gradients of each, or the error the compile raised.
 """
 
-import json
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -17,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from multirank import finish_rank, start_rank
+from multirank import finish_rank, record_error, start_rank, write_result
 
 
 class Block(torch.nn.Module):
@@ -99,11 +97,9 @@ def main():
         report = zinf.memory_report(model)
         result["memory_params"] = report["device"]["params"] + report["cpu"]["params"]
         result["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())  # (global sizes)
-    except Exception as err:  # recorded for the test to check
-        result["error"] = f"{type(err).__name__}: {err}"[:3000]
-        result["trace"] = traceback.format_exc()[-6000:]
-    with open(os.environ["ZINFTEST_OUT"], "w") as out:
-        json.dump(result, out)
+    except Exception as err:
+        record_error(result, err)
+    write_result(result)
     finish_rank()
 
 
