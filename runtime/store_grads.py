@@ -26,6 +26,7 @@ class GradHold:
     last: bool = False  # the next backward reduces the sums
 
     def nbytes(self) -> int:
+        """The device bytes the held sums take (counted as transient device bytes while held)."""
         return sum(nbytes_of(flat) for flats in self.sums.values() for flat in flats)
 
 

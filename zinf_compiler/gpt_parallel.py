@@ -48,6 +48,8 @@ class GPTStage(nn.Module):
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The first stage maps token ids to hidden states, the middle ones hidden states to hidden states, the
+        last hidden states to logits."""
         if self.index == 0:
             # (positions made here, not the GPT's buffer: zinf copies the buffers a graph reads from rank 0 in
             # place before each call (option broadcast_buffers), so 1F1B's next forward would bump the version
