@@ -109,6 +109,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_SITE = os.path.join(REPO, ".bench", "site")
 TORCH_EXTENSIONS = os.path.join(REPO, ".bench", "torch_extensions")
 
+PEAK_OF = "peak RSS of "  # a host_memory resolved in the run from another configuration's measured peak
 # key -> (label, kind, settings). Placement: where parameters and optimizer state rest.
 SYSTEMS = {
     "eager": ("eager PyTorch", "torch", {"compile": False, "placement": "none"}),
@@ -148,6 +149,10 @@ SYSTEMS = {
                       {"device": "nvme", "placement": "nvme", "host_memory": "1GiB"}),
     "zinf_cache_1536m": ("zinf stage 3, offload nvme, host_memory 1.5GiB", "zinf",
                          {"device": "nvme", "placement": "nvme", "host_memory": "1536MiB"}),
+    # Issue 38, acceptance 4: host_memory = DeepSpeed NVMe's own peak RSS in this run (its ranks' VmHWM after its
+    # warm-up, the largest over its ranks); list ds_nvme before it in --systems.
+    "zinf_cache_ds": ("zinf stage 3, offload nvme, host_memory = DeepSpeed nvme's peak RSS", "zinf",
+                      {"device": "nvme", "placement": "nvme", "host_memory": PEAK_OF + "ds_nvme"}),
 }
 ZINF_OF_PLACEMENT = {"none": "zinf", "cpu": "zinf_cpu", "nvme": "zinf_nvme"}
 REFERENCE = ("eager", 1)
@@ -216,6 +221,28 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 DISK_PROBE_BYTES = 512 << 20
+
+
+def proc_peak_rss(pid: int) -> int:
+    """A live process's peak resident set so far (VmHWM: what its ru_maxrss will report), bytes."""
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def proc_disk_bytes(pid: int) -> tuple[int, int]:
+    """(read, written) bytes a process has sent to or fetched from storage (/proc/PID/io, all its threads).
+
+    The OS's count, the same for every system: reads served from the page cache are not in it, and a
+    buffered write counts when the page is dirtied."""
+    fields = {}
+    with open(f"/proc/{pid}/io") as handle:
+        for line in handle:
+            name, _, value = line.partition(":")
+            fields[name] = int(value)
+    return fields["read_bytes"], fields["write_bytes"]
 
 
 def probe_disk(folder: str) -> dict[str, float]:
@@ -294,6 +321,29 @@ def _print_limit_model(configs, comparable) -> None:
         print(f"| {config.name} | {per_step['disk_read'] / 2**20:,.0f} / {per_step['disk_written'] / 2**20:,.0f} | "
               f"{per_step['collective'] / 2**20:,.0f} | {limit['compute']:.3f} | {limit['disk']:.3f} | "
               f"{limit['collective']:.3f} | {limit['bound']:.3f} | {median:.3f} | {median / limit['bound']:.2f} |")
+
+
+def _print_os_disk_bytes(configs, comparable) -> None:
+    """Storage bytes per measured step as the OS counted them (/proc/PID/io, summed over the ranks): the one count
+    that is the same for zinf and DeepSpeed (issue 38, acceptance 5)."""
+    rows = [c for c in configs if c.name in comparable and c.settings.get("placement") == "nvme" and c.os_io]
+    if not rows:
+        return
+    print("\n## Disk bytes per step as the OS counted them\n")
+    print("Each rank's /proc/PID/io read_bytes / write_bytes over the measured steps, summed over the ranks (reads "
+          "the page cache served are not counted; a buffered write counts when it dirties the page).\n")
+    print("| configuration | read per step (MiB) | written per step (MiB) | zinf's own count, read / written (MiB) |")
+    print("|---|---|---|---|")
+    for config in rows:
+        steps = sum(r["steps"] for r in config.os_io)
+        read = sum(r["read"] for r in config.os_io) / steps
+        written = sum(r["written"] for r in config.os_io) / steps
+        own = "-"
+        if config.io:
+            own_steps = sum(r["steps"] for r in config.io)
+            own = (f"{sum(r['disk_read'] for r in config.io) * config.world / own_steps / 2**20:,.0f} / "
+                   f"{sum(r['disk_written'] for r in config.io) * config.world / own_steps / 2**20:,.0f}")
+        print(f"| {config.name} | {read / 2**20:,.0f} | {written / 2**20:,.0f} | {own} |")
 
 
 def _zinf_io_counters() -> dict[str, int]:
@@ -608,6 +658,7 @@ class Config:
         self.times: list[float] = []
         self.losses: list[float] = []
         self.io: list[dict] = []  # zinf: bytes moved over each round's measured steps (rank 0), and the rates
+        self.os_io: list[dict] = []  # every system: storage bytes over each round's measured steps, all ranks
         self.warm_times: list[float] = []
         self.setup_seconds: float | None = None
         self.peak_rss: int | None = None
@@ -664,6 +715,28 @@ class Config:
             out.close()
             self.procs.append(proc)
             self.readers.append(os.fdopen(read_fd, "r"))
+
+    def disk_bytes_now(self) -> tuple[int, int] | None:
+        """(read, written) storage bytes of all ranks so far, as the OS counts them; None once a rank is gone."""
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            totals = [proc_disk_bytes(proc.pid) for proc in self.procs]
+            return sum(t[0] for t in totals), sum(t[1] for t in totals)
+        return None
+
+    def resolve_budget(self, configs: list["Config"]) -> None:
+        """A host_memory of PEAK_OF + key: that configuration's peak RSS so far (max over its ranks)."""
+        budget = self.settings.get("host_memory")
+        if not (isinstance(budget, str) and budget.startswith(PEAK_OF)):
+            return
+        peer_key = budget.removeprefix(PEAK_OF)
+        peer = next((c for c in configs if c.key == peer_key and c.error is None and c.procs), None)
+        if peer is None:
+            self.error = f"host_memory is {peer_key}'s peak RSS, but {peer_key} did not run before it in this group"
+            return
+        peak = max(proc_peak_rss(proc.pid) for proc in peer.procs)
+        self.settings["host_memory"] = peak
+        self.label = f"{self.label} ({gib(peak)} GiB)"
+        log(f"world {self.world}: {self.key}: host_memory = {peer.label}'s peak RSS after its warm-up, {gib(peak)} GiB")
 
     def _sample(self, rss: bool) -> None:
         with contextlib.suppress(Exception):
@@ -810,6 +883,10 @@ def run_group(args, world: int, keys: list[str], workdir: str) -> list[Config]:
         log(f"world {world}: starting {config.label} ({args.warmup} warm-up steps, compilation included)")
         started = time.monotonic()
         extra = None
+        config.resolve_budget(configs)
+        if config.error is not None:
+            log(f"world {world}: {config.label} FAILED: {config.error}")
+            continue
         if args.trace_zinf and config.kind == "zinf":
             extra = {"trace_dir": os.path.join(os.path.abspath(args.trace_zinf), f"{config.key}-w{world}"),
                      "trace_step": args.warmup}
@@ -829,11 +906,16 @@ def run_group(args, world: int, keys: list[str], workdir: str) -> list[Config]:
         # Rotate the order every round so no system always follows the same one.
         shift = round_index % max(1, len(live))
         for config in live[shift:] + live[:shift]:
+            disk_before = config.disk_bytes_now()
             config.send(f"steps {args.steps}")
             done = config.receive("done", args.steps * step_timeout)
             if done is None:
                 log(f"world {world} round {round_index + 1}: {config.label} FAILED: {config.error}")
                 continue
+            disk_after = config.disk_bytes_now()
+            if disk_before is not None and disk_after is not None:
+                config.os_io.append({"read": disk_after[0] - disk_before[0], "written": disk_after[1] - disk_before[1],
+                                     "steps": len(done[0]["times"])})
             config.times.extend(done[0]["times"])
             config.losses.extend(done[0]["losses"])
             if done[0].get("io"):
@@ -976,6 +1058,7 @@ def report(args, configs: list[Config], params: int, wall: float) -> None:
           "with zinf cpu; DeepSpeed nvme with zinf nvme.")
 
     _print_limit_model(configs, comparable)
+    _print_os_disk_bytes(configs, comparable)
     _print_before_after(configs, comparable)
 
     print("\n## Targets\n")
