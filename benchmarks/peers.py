@@ -1089,6 +1089,9 @@ def report(args, configs: list[Config], params: int, wall: float) -> None:
         target("zinf nvme vs DeepSpeed nvme throughput", "zinf_nvme", "ds_nvme", nvme_factor, rss_share=0.5)
         target("zinf nvme, gradients in RAM, vs DeepSpeed nvme throughput", "zinf_nvme_ram", "ds_nvme", nvme_factor,
                rss_share=0.5)
+        if ("zinf_cache_ds", world) in by_key:  # issue 38, acceptance 4: the RAM cache at DeepSpeed's own RSS
+            target("zinf nvme, host_memory = DeepSpeed nvme's peak RSS, vs DeepSpeed nvme throughput", "zinf_cache_ds",
+                   "ds_nvme", 2.0, rss_share=1.0)
         target("zinf cpu vs DeepSpeed cpu", "zinf_cpu", "ds_cpu", 1.3)
         target("zinf cpu vs FSDP2 + CPUOffloadPolicy", "zinf_cpu", "fsdp2_cpu", 1.1)
         peers = [c for c in (get(k) for k in SYSTEMS if not k.startswith("zinf")) if c is not None]
