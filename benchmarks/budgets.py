@@ -19,12 +19,15 @@ Every run is its own process per rank (gloo on localhost), compiled with zinf, `
 ``--warmup`` then ``--steps`` measured steps (median, rank 0).  Measured: the peak RSS of the rank with the
 largest (``ru_maxrss``: the whole run, compile included), the losses (the ranks' mean, against eager's within
 --rtol/--atol).  Printed: per budget, auto's peak RSS over the budget and its step over the best step of the grid's
-sets whose peak RSS fit the budget (measured, same run).  Step times on a shared machine are noisy: read ratios.
+sets whose peak RSS fit the budget (measured, same run).  Step times on a shared machine are noisy: auto and that
+best set then run ``--repeats`` more times each, alternating, and each keeps its fastest median; "(same options)"
+marks a budget where auto chose exactly the best set's options.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -167,6 +170,17 @@ def smallest_budget(args, world: int, process_bytes: int, profile) -> int:
     return 1
 
 
+def same_options(first: dict, second: dict) -> bool:
+    """Whether two option sets compile the same training (the budget and the swap folder aside)."""
+    from zinf_compiler.options import parse_options
+
+    def parsed(options: dict):
+        kept = {k: v for k, v in options.items() if k not in ("host_memory", "nvme_path")}
+        return {k: v for k, v in dataclasses.asdict(parse_options(kept)).items() if k not in ("host_memory", "nvme_path")}
+
+    return parsed(first) == parsed(second)
+
+
 def grid_options(name: str, args, world: int, numel: int) -> dict:
     options = {**GRID[name], "lower": args.lower}
     share = options.pop("ram_cache_share", None)
@@ -195,6 +209,9 @@ def main() -> None:
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-5)
     parser.add_argument("--port", type=int, default=29800)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="extra runs of auto's options and of the best fitting grid set, alternating (fastest "
+                             "median kept)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
@@ -210,7 +227,7 @@ def main() -> None:
     port, rows = args.port, []
     for world in [int(w) for w in args.world_sizes.split(",")]:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        profile = _profile(args.nvme_path, torch.float32)
+        profile = _profile(args.nvme_path, torch.float32, world)
         eager = measure(world, None, args, port := port + 1)
         grid = {}
         for name in args.grid.split(","):
@@ -232,9 +249,21 @@ def main() -> None:
             run = measure(world, options, args, port := port + 1)
             fitting = {name: r for name, r in grid.items() if r["peak_rss"] <= budget}
             best = min(fitting, key=lambda name: fitting[name]["step"]) if fitting else None
+            same = best is not None and same_options(options, grid_options(best, args, world, numel))
+            if best is not None and args.repeats:
+                # Step times of one configuration vary by 10-30% from one process to the next on this machine:
+                # auto and the best grid set run again, alternating, and each keeps its fastest median.
+                best_run = dict(grid[best])
+                for _ in range(args.repeats):
+                    again = measure(world, grid_options(best, args, world, numel), args, port := port + 1)
+                    best_run["step"] = min(best_run["step"], again["step"])
+                    again = measure(world, options, args, port := port + 1)
+                    run["step"] = min(run["step"], again["step"])
+                fitting[best] = best_run
             equal = torch.allclose(torch.tensor(run["losses"]), torch.tensor(eager["losses"]), rtol=args.rtol,
                                    atol=args.atol)
-            row.update(options={k: v for k, v in options.items() if k not in ("nvme_path", "lower")},
+            row.update(same_as_best=same,
+                       options={k: v for k, v in options.items() if k not in ("nvme_path", "lower")},
                        predicted_rss=chosen.predicted_rss, peak_rss=run["peak_rss"], step=run["step"],
                        equal_eager=equal, best=best, best_step=fitting[best]["step"] if best else None,
                        max_loss_diff=max(abs(a - b) for a, b in zip(run["losses"], eager["losses"])))
@@ -253,6 +282,8 @@ def main() -> None:
             continue
         shown = ", ".join(f"{k}={v}" for k, v in row["options"].items() if k != "host_memory")
         ratio = f"{row['step'] / row['best_step']:.2f}" if row["best_step"] else "-"
+        if row["same_as_best"]:
+            ratio += " (same options)"
         print(f"| {row['world']} | {row['x']:.2f} | {row['budget'] / 2**20:,.0f} | {shown} | "
               f"{row['peak_rss'] / 2**20:,.0f} | {row['peak_rss'] / row['budget']:.2f} | {row['step']:.3f} | "
               f"{row['best'] or '-'} | {row['best_step'] or float('nan'):.3f} | {ratio} | {row['equal_eager']} |")

@@ -157,7 +157,7 @@ def main() -> None:
         for world in sorted({CONFIGS[name][1] for name in names}):
             # Each rank computes with its share of the cores: probe with as many threads as one rank gets.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-            profiles[world] = _profile(probe_dir, torch.float32)
+            profiles[world] = _profile(probe_dir, torch.float32, world)
     for number, name in enumerate(names):
         kind, world, _ = CONFIGS[name]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29700 + args.port_offset + number))

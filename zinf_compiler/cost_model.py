@@ -108,7 +108,8 @@ def is_profiled(device: torch.device, dtype: torch.dtype, nvme_path: str | None,
 
 
 def _key(device: torch.device, dtype: torch.dtype, nvme_path: str | None, comm: "Comm") -> tuple:
-    return (str(device), dtype, nvme_path, comm.world_size, id(comm))  # (a Comm lives as long as the process)
+    # (A Comm lives as long as the process.)  The CPU's rates are those of the threads this process computes with.
+    return (str(device), dtype, nvme_path, comm.world_size, id(comm), torch.get_num_threads())
 
 
 def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | None, comm: "Comm") -> MachineProfile:
@@ -165,7 +166,7 @@ def _timed(fn, device: torch.device, repeats: int = 3) -> float:
 
 
 def _probe_matmul(device: torch.device, dtype: torch.dtype) -> float:
-    size = 4096 if device.type == "cuda" else 512
+    size = 4096 if device.type == "cuda" else 1024  # (on a CPU 512's best of three scattered by 30% probe to probe)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     return 2 * size**3 / _timed(lambda: torch.mm(a, b), device)

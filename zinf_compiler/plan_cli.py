@@ -68,8 +68,11 @@ def _model_and_batch(args) -> tuple[torch.nn.Module, tuple]:
     return model, (tokens, tokens)
 
 
-def _profile(nvme_path: str, dtype: torch.dtype):
-    """This machine's rates (zinf_compiler/cost_model.py's probes), for this process alone."""
+def _profile(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1):
+    """This machine's rates (zinf_compiler/cost_model.py's probes), for this process alone; at ``world_size`` > 1
+    on a CPU with the collective rate of that many ranks on this machine (:func:`probe_collective`)."""
+    import dataclasses
+
     from .cost_model import profile_machine
     from .runtime.comm import Comm
     from .runtime.copy_engine import CopyEngine
@@ -77,7 +80,44 @@ def _profile(nvme_path: str, dtype: torch.dtype):
 
     tracer = Tracer()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return profile_machine(device, dtype, nvme_path, Comm(copier=CopyEngine(tracer), tracer=tracer))
+    profile = profile_machine(device, dtype, nvme_path, Comm(copier=CopyEngine(tracer), tracer=tracer))
+    if world_size > 1 and device.type == "cpu" and not torch.distributed.is_initialized():
+        profile = dataclasses.replace(profile, collective=probe_collective(world_size))
+    return profile
+
+
+def probe_collective(world_size: int) -> float:
+    """The all-gather rate (bytes/s) of ``world_size`` ranks on this machine (gloo on localhost, each rank with
+    its share of the cores), measured by cost_model's probe in that many spawned processes: what a plan from one
+    process lacks (its own group has one rank)."""
+    import os
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock, tempfile.TemporaryDirectory(prefix="zinf-probe-") as scratch:
+        sock.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        sock.close()
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        mp.start_processes(_probe_rank, args=(world_size, address, threads, scratch), nprocs=world_size,
+                           start_method="spawn")
+        with open(os.path.join(scratch, "rate")) as handle:
+            return float(handle.read())
+
+
+def _probe_rank(rank: int, world_size: int, address: str, threads: int, scratch: str) -> None:
+    import os
+
+    torch.set_num_threads(threads)
+    torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+    try:
+        rate = _profile(None, torch.float32).collective
+        if rank == 0:
+            with open(os.path.join(scratch, "rate"), "w") as handle:
+                handle.write(repr(rate))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
         nvme_path = args.nvme_path or scratch
-        profile = _profile(nvme_path, torch.float32) if args.probe else None
+        profile = _profile(nvme_path, torch.float32, args.world_size) if args.probe else None
         predictions = []
         for options in args.options or CANDIDATES:
             options = dict(options)
@@ -129,7 +169,7 @@ def _choose(args) -> int:
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
         if args.nvme_path:
             fixed.setdefault("nvme_path", args.nvme_path)
-        profile = _profile(args.nvme_path or scratch, torch.float32) if args.probe else None
+        profile = _profile(args.nvme_path or scratch, torch.float32, args.world_size) if args.probe else None
         chosen = choose(model, batch, {**fixed, **budgets}, world_size=args.world_size, profile=profile)
     given = ", ".join(f"{name} {value}" for name, value in budgets.items() if value)
     print(f"{type(model).__name__}: {numel:,} parameters, batch {args.batch} x {args.seq} tokens, world size "

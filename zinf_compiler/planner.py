@@ -5,8 +5,8 @@ Nothing is allocated: the parameters are read for their shapes and dtypes
 only (a model built under ``torch.device("meta")`` is fine), each gets the
 plan adoption would give it (:func:`~zinf_compiler.adoption.plan_for`, the
 same pure function the store lays parameters out by), and the example inputs,
-if given, run forward and backward once on fake tensors to count the FLOPs and
-the bytes autograd saves for backward.
+if given, run forward and backward once on fake tensors to count the FLOPs,
+the bytes the other ops move and the bytes autograd saves for backward.
 
 What it predicts, per rank (the rank holding the most):
 
@@ -16,11 +16,12 @@ What it predicts, per rank (the rank holding the most):
 * ``pinned``: the staging pools per consumer (runtime/pool_sizes.py's formulas);
 * ``swap_space``: the bytes ``nvme_path`` needs (every copy, see ``nvme_copies``);
 * ``disk_read`` / ``disk_write`` / ``collective``: bytes per step;
-* ``step``: seconds of compute (FLOPs at the probed matmul rate, a recompute
-  forward added under activation checkpointing), disk and collectives at the
-  probed rates, and ``predicted``: on an accelerator the longest of them, on a
-  CPU device their sum (they share its cores), plus the CPU optimizer's pass
-  over its state (memory-bound);
+* ``step``: seconds of compute (the matmuls' FLOPs at the probed matmul rate
+  and the other ops' bytes at the probed memory rate, a recompute forward
+  added under activation checkpointing), disk and collectives at the probed
+  rates, and ``predicted``: on an accelerator the longest of them, on a CPU
+  device their sum (they share its cores), plus the CPU optimizer's pass over
+  the state it steps (memory-bound; on a CPU device every tier's);
 * ``peak_rss(process_bytes)``: the rank's peak RSS, from the process's own
   before the model and two calibrated terms (see :meth:`Prediction.peak_rss`).
 
@@ -37,6 +38,8 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .adoption import plan_for
 from .options import ZinfOptions, budget_bytes, parse_options
@@ -173,8 +176,9 @@ def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute:
     return read, write, collective
 
 
-def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[int, int]:
-    """(FLOPs of one forward and backward, bytes autograd saves for backward), on fake tensors."""
+def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[int, int, int]:
+    """(FLOPs of one forward and backward, bytes autograd saves for backward, bytes the other ops move), on
+    fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -194,13 +198,45 @@ def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[in
                 saved[storage._cdata] = storage.nbytes()
             return tensor
 
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounterMode(display=False) as flops, _OpTraffic(set(flops.flop_registry)) as traffic:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
             loss = _a_loss(out)
             if loss.requires_grad:
                 loss.backward()
-    return flops.get_total_flops(), sum(saved.values())
+    return flops.get_total_flops() + traffic.attention_flops, sum(saved.values()), traffic.moved
+
+
+# Ops that allocate or re-label memory without reading or writing it.
+_NOT_MOVING = {"empty", "empty_like", "empty_strided", "_unsafe_view", "detach", "lift_fresh", "alias"}
+
+
+class _OpTraffic(TorchDispatchMode):
+    """What FlopCounterMode leaves out of a forward and backward: the bytes every other op reads and writes
+    (elementwise ops, norms, softmax, losses, copies; views move nothing), and the FLOPs of the CPU's
+    attention kernels (torch's counter knows only the accelerators' ones)."""
+
+    def __init__(self, counted_ops: set) -> None:
+        super().__init__()
+        self.counted_ops, self.moved, self.attention_flops = counted_ops, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func.overloadpacket in self.counted_ops or func.is_view or func.namespace != "aten"
+                or func.overloadpacket.__name__ in _NOT_MOVING):
+            return out
+        name = func.overloadpacket.__name__
+        if "scaled_dot_product" in name:
+            query, key = args[0], args[1]
+            if name.endswith("backward"):  # the incoming gradient comes first
+                query, key = args[1], args[2]
+            # Two matmuls forward (QK^T, PV), four backward, of batch x heads x Tq x Tk x head_dim each.
+            matmuls = 4 if name.endswith("backward") else 2
+            self.attention_flops += 2 * matmuls * query.numel() * key.shape[-2]
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.moved += sum(t.numel() * t.element_size() for t in tensors)
+        return out
 
 
 def _a_loss(out: Any) -> torch.Tensor:
@@ -225,14 +261,15 @@ class Blueprint:
     named: list[tuple[str, torch.Tensor]]
     flops: int | None = None
     saved: int | None = None
+    moved: int | None = None  # bytes the ops other than matmuls read and write in one forward and backward
 
 
 def blueprint(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None) -> Blueprint:
     """``model``'s :class:`Blueprint` (the fake run happens here, once)."""
-    flops = saved = None
+    flops = saved = moved = None
     if example_inputs is not None:
-        flops, saved = _fake_run(model, example_inputs)
-    return Blueprint(_unique_named_params(model), flops, saved)
+        flops, saved, moved = _fake_run(model, example_inputs)
+    return Blueprint(_unique_named_params(model), flops, saved, moved)
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
@@ -260,16 +297,16 @@ def plan_blueprint(model: Blueprint, options: Mapping | None = None, world_size:
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     best = None
     for rank in range(world_size):
-        prediction = _plan_rank(model.named, parsed, options or {}, world_size, rank, model.saved, model.flops,
-                                profile, ranks_per_node or world_size)
+        prediction = _plan_rank(model, parsed, options or {}, world_size, rank, profile, ranks_per_node or world_size)
         if best is None or prediction.host_bytes() + prediction.tier_total("device") > \
                 best.host_bytes() + best.tier_total("device"):
             best = prediction
     return best
 
 
-def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, asked: Mapping, world_size: int,
-               rank: int, saved: int | None, flops: int | None, profile: Any, sharing: int) -> Prediction:
+def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_size: int, rank: int, profile: Any,
+               sharing: int) -> Prediction:
+    named, saved, flops = model.named, model.saved, model.flops
     memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     owned: dict[int, int] = {}
     grad_ram = options.nvme_grad_ram_bytes
@@ -302,7 +339,8 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
                              opt_tier=ot))
                    for (param, tile_rows, owner, plan), (pt, ot) in zip(planned, tiers)]
     plans, read, write, collective, swap_space = [plan for *_, plan in planned], 0, 0, 0, 0
-    host_stepped = 0  # fp32 elements the CPU optimizer steps (cpu and nvme optimizer tiers)
+    accelerated = bool(plans) and plans[0].device.type == "cuda"
+    host_stepped = 0  # fp32 elements the optimizer steps on the CPU (cpu, nvme and, on a CPU device, all tiers)
     for param, _, _, plan in planned:
         grad_in_ram = False
         if plan.opt_tier == "nvme" and plan.local_numel and plan.local_numel * 4 <= grad_ram_left:
@@ -313,8 +351,9 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
         moved = _traffic(plan, param, grad_in_ram, recompute)
         read, write, collective = read + moved[0], write + moved[1], collective + moved[2]
         swap_space += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
-        if plan.stage > 0 and plan.opt_tier != "device" and param.requires_grad and param.dtype.is_floating_point:
-            host_stepped += plan.local_numel
+        if (param.requires_grad and param.dtype.is_floating_point
+                and (plan.opt_tier != "device" or not accelerated)):
+            host_stepped += plan.local_numel if plan.stage > 0 else plan.numel
     if saved is not None:
         memory["device"]["activations"] = saved
     pinned = dict.fromkeys(("parameters", "activations", "early_optimizer"), 0)
@@ -325,8 +364,8 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
     if profile is not None and flops is not None:
-        step = _step_seconds(flops, recompute, read, write, collective, host_stepped, profile, sharing,
-                             overlapped=plans[0].device.type == "cuda" if plans else False)
+        step = _step_seconds(flops, model.moved or 0, recompute, read, write, collective, host_stepped, profile,
+                             sharing, overlapped=accelerated)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
     model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
@@ -335,14 +374,16 @@ def _plan_rank(named: list[tuple[str, torch.Tensor]], options: ZinfOptions, aske
                       model_bytes=model_bytes, flops=flops, step=step)
 
 
-def _step_seconds(flops: int, recompute: bool, read: int, write: int, collective: int,
+def _step_seconds(flops: int, moved: int, recompute: bool, read: int, write: int, collective: int,
                   host_stepped: int, profile: Any, sharing: int, overlapped: bool) -> dict[str, float | None]:
     """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring);
     ``sharing`` ranks move their bytes through one disk and one memory bus at once.  ``overlapped`` (an
     accelerator computes): the disk and the collectives hide under the compute, the step is the longest of
     them; on a CPU device the compute, the I/O's own CPU work and the optimizer share the cores, and the
-    parts add up (measured: benchmarks/plan_accuracy.py)."""
-    compute = flops * (4 / 3 if recompute else 1) / profile.matmul_flops
+    parts add up (measured: benchmarks/plan_accuracy.py).  Compute: the matmuls' FLOPs at the probed matmul
+    rate and the other ops' bytes (``moved``) at the probed memory rate, both one rank's own work at the rates
+    of the threads it has; the recompute under activation checkpointing adds a forward, a third of both."""
+    compute = (flops / profile.matmul_flops + moved / profile.memory_bandwidth) * (4 / 3 if recompute else 1)
     disk = 0.0
     if read or write:
         disk = sharing * (read / (profile.disk_read or profile.memory_bandwidth) + write / (

@@ -19,6 +19,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig
+from zinf_compiler.cost_model import nominal_profile
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 SLACK = 64  # bytes per parameter: the optimizer's step counters, which the plan leaves out
@@ -87,6 +88,39 @@ def test_the_plan_counts_flops_and_saved_activations_and_refuses_nothing_to_back
     assert predicted.memory["device"]["activations"] > tokens * CFG.n_embd * 4 * CFG.n_layer
     with pytest.raises(ValueError, match="no tensor to run backward from"):
         zinf.plan(torch.nn.Identity(), (None,), {"stage": 3})
+
+
+def test_the_plan_counts_attention_flops_and_the_other_ops_bytes():
+    """The CPU's attention kernels are FLOPs torch's counter leaves out; the non-matmul ops move bytes."""
+    from zinf_compiler.planner import blueprint
+
+    batch, heads, seq, head_dim = 2, 4, 32, 16
+
+    class Attention(torch.nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).relu().sum()
+
+    query = torch.randn(batch, heads, seq, head_dim, requires_grad=True)
+    counted = blueprint(Attention(), (query,))
+    # Two matmuls of 2 x B x H x T x T x D FLOPs forward, four backward.
+    assert counted.flops == 6 * 2 * batch * heads * seq * seq * head_dim
+    # relu and its backward, sum and its backward each read and write at least one tensor of the query's size.
+    assert counted.moved >= 4 * query.numel() * 4
+    with torch.device("meta"):
+        gpt = GPT(CFG)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size))
+    profile = nominal_profile()
+    step = zinf.plan(gpt, (idx, idx), {"stage": 3}, profile=profile).step
+    assert step["compute"] > blueprint(gpt, (idx, idx)).flops / profile.matmul_flops
+    # On a CPU device the optimizer over the device tier costs time too.
+    assert step["optimizer"] > 0
+
+
+def test_planning_world_size_2_from_one_process_measures_the_collective_rate():
+    from zinf_compiler.plan_cli import _profile
+
+    profile = _profile(None, torch.float32, world_size=2)
+    assert profile.collective is not None and 1e6 < profile.collective < 1e12
 
 
 _CACHE_RUN = """
