@@ -7,8 +7,9 @@ option set (``--options '{"stage": 3, ...}'``, repeatable; default: a table of
 the usual ones) is planned with :func:`zinf_compiler.planner.plan` at
 ``--world-size`` ranks, and one line per option set is printed: bytes per tier,
 pinned pools, swap space, disk and collective bytes per step and, with
-``--probe`` (this machine's matmul, memory and disk rates, about a second),
-the predicted step.  The disk is probed in ``--nvme-path``.
+``--probe`` (this machine's matmul, memory and disk rates, about a second; on
+a CPU at ``--world-size`` N, with one rank's share of the cores and the
+collective rate of N local processes), the predicted step.  The disk is probed in ``--nvme-path``.
 
 With ``--host-memory`` (and/or ``--device-memory``; bytes such as ``4GiB``, a
 fraction of the memory available such as ``0.5``, or ``auto``), zinf chooses
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 
@@ -90,7 +92,6 @@ def probe_collective(world_size: int) -> float:
     """The all-gather rate (bytes/s) of ``world_size`` ranks on this machine (gloo on localhost, each rank with
     its share of the cores), measured by cost_model's probe in that many spawned processes: what a plan from one
     process lacks (its own group has one rank)."""
-    import os
     import socket
 
     import torch.multiprocessing as mp
@@ -107,8 +108,6 @@ def probe_collective(world_size: int) -> float:
 
 
 def _probe_rank(rank: int, world_size: int, address: str, threads: int, scratch: str) -> None:
-    import os
-
     torch.set_num_threads(threads)
     torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
     try:
@@ -131,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="ranks; with --probe on a CPU, all on this machine: each probed with its share of the "
+                             "cores, and the collective rate measured with that many local processes")
     parser.add_argument("--options", action="append", type=json.loads,
                         help="a JSON object of zinf options (repeat for several rows; default: the usual sets)")
     parser.add_argument("--nvme-path", default=None, help="the folder NVMe tiers use (default: a temporary one)")
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-memory", help="a host RAM budget (peak RSS per rank): zinf chooses the options")
     parser.add_argument("--device-memory", help="a device memory budget per rank: zinf chooses the options")
     args = parser.parse_args(argv)
+    if args.probe and not torch.cuda.is_available():  # one rank's share of the cores, as each rank will have
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     if args.host_memory or args.device_memory:
         return _choose(args)
     model, batch = _model_and_batch(args)
