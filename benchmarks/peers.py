@@ -149,6 +149,10 @@ SYSTEMS = {
                       {"device": "nvme", "placement": "nvme", "host_memory": "1GiB"}),
     "zinf_cache_1536m": ("zinf stage 3, offload nvme, host_memory 1.5GiB", "zinf",
                          {"device": "nvme", "placement": "nvme", "host_memory": "1536MiB"}),
+    # Issue 38, acceptance 4, --find-max's largest model (states about 2x this machine's 23.6 GiB of RAM): the
+    # cache over NVMe within 18 GiB of RSS, against the all-NVMe run.
+    "zinf_cache_18g": ("zinf stage 3, offload nvme, host_memory 18GiB", "zinf",
+                       {"device": "nvme", "placement": "nvme", "host_memory": "18GiB"}),
     # Issue 38, acceptance 4: host_memory = DeepSpeed NVMe's own peak RSS in this run (its ranks' VmHWM after its
     # warm-up, the largest over its ranks); list ds_nvme before it in --systems.
     "zinf_cache_ds": ("zinf stage 3, offload nvme, host_memory = DeepSpeed nvme's peak RSS", "zinf",
