@@ -289,6 +289,11 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
             place_master(record, local, self, self._add_resting)
             return record
 
+    def grad_ram_left(self, grad_ram_bytes: int | str) -> int:
+        """What option nvme_grad_ram_bytes (bytes or "auto") leaves for gradients not adopted yet."""
+        limit = self._auto_grad_ram_bytes() if grad_ram_bytes == "auto" else int(grad_ram_bytes)
+        return max(0, limit - self._grad_ram_reserved)
+
     def _auto_grad_ram_bytes(self) -> int:
         """``nvme_grad_ram_bytes="auto"``: an eighth of the memory available when first asked, shared by the
         ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun); fixed from then on, so that what this

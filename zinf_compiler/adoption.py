@@ -138,7 +138,8 @@ def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_
     host_memory = (None if options.host_memory is None else
                    budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
     tiers_of = ram_cache.choose_tiers(plans, requires_grad, host_memory, ram_cache.held_by_records(records), pinned,
-                                      lambda: store.pinned_pool(0).capacity_bytes, states_bytes=states_bytes)
+                                      lambda: store.pinned_pool(0).capacity_bytes, states_bytes=states_bytes,
+                                      grad_ram_bytes=store.grad_ram_left(options.nvme_grad_ram_bytes))
     cached_plans = []
     for (param, tile_rows), plan, (param_tier, opt_tier) in zip(params, plans, tiers_of):
         _CACHED_TIERS[param] = (param_tier, opt_tier)

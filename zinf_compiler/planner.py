@@ -333,7 +333,8 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
         host_memory = (None if options.host_memory is None else
                        budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
         tiers = choose_tiers([p for *_, p in planned], [param.requires_grad for param, *_ in planned],
-                             host_memory, 0, 0, lambda: pool_bytes, states_bytes=options.ram_cache_bytes)
+                             host_memory, 0, 0, lambda: pool_bytes, states_bytes=options.ram_cache_bytes,
+                             grad_ram_bytes=grad_ram)
         planned = [(param, tile_rows, owner, plan if (pt, ot) == (plan.param_tier, plan.opt_tier) else
                     plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=plan.uid, param_tier=pt,
                              opt_tier=ot))

@@ -20,8 +20,9 @@ graphs are adopted (a model split by graph breaks spends it graph by graph;
 a quarter is left for what this module cannot size (activations, the
 process's own RSS: Python, torch, the compiled code), and the pinned pool
 (once it exists; adoption.py makes it only if some state stays on NVMe) and
-every trained parameter's fp32 gradient (4 bytes per element, held in RAM
-under the default ``nvme_grad_ram_bytes``) are taken before any state is
+the trained parameters' fp32 gradients that rest in RAM (4 bytes per
+element; those whose optimizer state stays on NVMe only within
+``nvme_grad_ram_bytes``: :func:`grad_charge`) are taken before any state is
 cached.  Not counted: the activations' own pinned pool (``offload_activations``).
 Everything here is computed from sizes every rank shares (a broadcast
 parameter counts whole, as on its owner), so every rank makes the same
@@ -113,7 +114,7 @@ def choose_cached(items: Iterable[CacheItem], budget: int) -> set[tuple[int, str
 
 def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: int | None, held_bytes: int,
                  pinned_bytes: int, pool_if_needed: Callable[[], int],
-                 states_bytes: int | None = None) -> list[tuple[str, str]]:
+                 states_bytes: int | None = None, grad_ram_bytes: int | None = None) -> list[tuple[str, str]]:
     """``(param_tier, opt_tier)`` of each of ``plans`` (laid out for the nvme tiers) under ``host_memory``
     (bytes): the cached states on the cpu tier, the rest as planned.
 
@@ -122,13 +123,16 @@ def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: in
     ``pool_if_needed()`` sizes (the store: makes) the pool, whose bytes then come out of the budget too.
     ``states_bytes`` (option ``ram_cache_bytes`` less what earlier graphs cached, :func:`states_held_by_records`):
     the cached states' budget itself, which zinf.plan sized from the whole process's prediction; then
-    ``host_memory``, ``held_bytes`` and the pool are not read.
+    ``host_memory``, ``held_bytes`` and the pool are not read.  ``grad_ram_bytes``: what is left of option
+    nvme_grad_ram_bytes (None: no bound), the RAM the gradients of parameters whose optimizer state stays on
+    NVMe may take (:func:`grad_charge`).
     """
     items = cache_items(plans, requires_grad)
     if states_bytes is not None:
         chosen = choose_cached(items, max(states_bytes, 0))
     else:
-        held = held_bytes + grad_bytes(plans, requires_grad)
+        grads, items = grad_charge(plans, requires_grad, items, grad_ram_bytes)
+        held = held_bytes + grads
         chosen = choose_cached(items, states_budget(host_memory, pinned_bytes, held))
         if len(chosen) < len(items) and not pinned_bytes:
             chosen = choose_cached(items, states_budget(host_memory, pool_if_needed(), held))
@@ -138,6 +142,26 @@ def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: in
         tiers.append(("cpu" if whole or (index, SHARD) in chosen else plan.param_tier,
                       "cpu" if whole or (index, OPTIMIZER) in chosen else plan.opt_tier))
     return tiers
+
+
+def grad_charge(plans: Sequence, requires_grad: Sequence[bool], items: list[CacheItem],
+                grad_ram_bytes: int | None) -> tuple[int, list[CacheItem]]:
+    """The gradients' RAM taken before any state is cached, and ``items`` with what caching one adds.
+
+    A gradient whose optimizer state rests in RAM is in RAM; one whose state stays on NVMe is in RAM only
+    within ``grad_ram_bytes`` (option nvme_grad_ram_bytes, else in swap).  Where those gradients all fit it,
+    they are all charged; else ``grad_ram_bytes`` is, and caching a parameter's optimizer state charges its
+    gradient too (it then rests in RAM, beyond that bound): at most what the run holds, so the budget holds."""
+    on_nvme = [plan if plan is not None and plan.opt_tier == "nvme" else None for plan in plans]
+    elsewhere = [None if plan is None or plan.opt_tier == "nvme" else plan for plan in plans]
+    grads_on_nvme = grad_bytes(on_nvme, requires_grad)
+    grads = grad_bytes(elsewhere, requires_grad)
+    if grad_ram_bytes is None or grads_on_nvme <= grad_ram_bytes:
+        return grads + grads_on_nvme, items
+    with_grads = [item if item.kind == SHARD else
+                  dataclasses.replace(item, held_bytes=item.held_bytes + GRAD_BYTES * _numel(plans[item.index]))
+                  for item in items]
+    return grads + grad_ram_bytes, with_grads
 
 
 def grad_bytes(plans: Sequence, requires_grad: Sequence[bool]) -> int:
@@ -155,10 +179,12 @@ def states_budget(host_memory: int, pinned_bytes: int, held_bytes: int) -> int:
 
 
 def held_by_records(records: Iterable) -> int:
-    """RAM the adopted ``records`` hold that :func:`states_budget` counts: gradients of trained parameters,
-    optimizer states and shards on the cpu tier (sized as :func:`cache_items` sizes them)."""
+    """RAM the adopted ``records`` hold that :func:`states_budget` counts: gradients of trained parameters
+    (not those in swap files: nvme_grad_ram_bytes), optimizer states and shards on the cpu tier (sized as
+    :func:`cache_items` sizes them)."""
     records = list(records)
-    return sum(grad_bytes([record.plan], [record.trainable]) for record in records) + states_held_by_records(records)
+    in_ram = [record for record in records if record.plan.opt_tier != "nvme" or record.grad_in_ram]
+    return sum(grad_bytes([record.plan], [record.trainable]) for record in in_ram) + states_held_by_records(records)
 
 
 def states_held_by_records(records: Iterable) -> int:

@@ -76,3 +76,22 @@ def test_the_choice_fits_the_budget_is_greedy_and_ignores_the_order_it_is_handed
     shuffled = list(items)
     random.shuffle(shuffled)
     assert ram_cache.choose_cached(shuffled, budget) == chosen
+
+
+def test_gradients_in_swap_files_are_not_charged_to_the_budget():
+    """Under nvme_grad_ram_bytes only that many bytes of nvme-tier gradients rest in RAM: a model whose gradients
+    exceed it (every model larger than RAM) still gets its cache (before, every gradient was charged and a 3.2B
+    model cached 0.4 GiB of an 18 GiB budget)."""
+    plans = [_plan(1000) for _ in range(10)]  # 40,000 bytes of gradients, 160,000 of states
+    trained = [True] * 10
+    # Without a bound (or one all gradients fit), every gradient is charged and the items are as sized.
+    grads, items = ram_cache.grad_charge(plans, trained, ram_cache.cache_items(plans, trained), None)
+    assert grads == 40_000 and items == ram_cache.cache_items(plans, trained)
+    assert ram_cache.grad_charge(plans, trained, items, 40_000)[0] == 40_000
+    # Over the bound: the bound is charged, and a cached parameter brings its gradient into RAM.
+    grads, items = ram_cache.grad_charge(plans, trained, ram_cache.cache_items(plans, trained), 8_000)
+    assert grads == 8_000 and {item.held_bytes for item in items} == {16_000 + 4_000}
+    budget = (8_000 + 3 * 20_000) * 4 // 3 + 4  # a quarter of headroom; the bound; three parameters with gradients
+    tiers = ram_cache.choose_tiers(plans, trained, budget, 0, 0, lambda: 0, grad_ram_bytes=8_000)
+    assert tiers.count(("cpu", "cpu")) == 3
+    assert ram_cache.choose_tiers(plans, trained, budget, 0, 0, lambda: 0).count(("cpu", "cpu")) == 1
