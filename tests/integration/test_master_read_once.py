@@ -1,0 +1,114 @@
+"""The fp32 master is read from NVMe once per step in backward (issue 38, acceptance 5).
+
+With parameters and optimizer on NVMe and fp32 shards (``params_in_master``),
+the backward's fetch reads a parameter's master and its early optimizer step
+(runtime/early_adam.py) needs the same bytes a moment later: the step takes
+them from the fetch (runtime/fetched_masters.py) and reads only the moments.
+Bytes read per step: 4 (forward fetch) + 4 (backward fetch) + 8 (moments) =
+16 per trained parameter, not 20; the parameters equal, bit for bit, a run
+that reads every master from disk.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import zinf_compiler as zinf
+from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+from zinf_compiler.api import RUNTIME
+from zinf_compiler.runtime.early_adam import EarlyAdam
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
+STEPS = 3
+
+
+def _train(folder, monkeypatch, reuse: bool, clip: dict | None = None, **options):
+    """Train a copy of the seeded GPT for STEPS steps (``clip``: step -> max_norm of clip_grad_norm_); its
+    parameters, the disk bytes read in each step, the early pipeline's stats, its FetchedMasters' and the records."""
+    folder.mkdir()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    compiled = torch.compile(model, backend="zinf", options={
+        "stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(folder), **options})
+    opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
+    monkeypatch.setattr(EarlyAdam, "reuse_fetched_masters", reuse)
+    read_per_step = []
+    for step, batch in enumerate(synthetic_batches(CFG, 4, STEPS)):
+        before = _bytes_read()
+        compiled(*batch).backward()
+        if clip and step in clip:
+            opt.clip_grad_norm_(clip[step])
+        opt.step()
+        opt.zero_grad()
+        read_per_step.append(_bytes_read() - before)
+    early = opt._nvme.early
+    records = [RUNTIME.store.lookup(p) for p in model.parameters()]
+    # fp32 on NVMe reads its parameter from the master, but a tiled one keeps files of its own (tile_align).
+    assert all(record.params_in_master == (record.tile_rows is None) for record in records)
+    state = {name: value.clone() for name, value in zinf.full_state_dict(compiled).items()}
+    return state, read_per_step, dict(early.stats), dict(early.fetched_masters.stats), records
+
+
+def _bytes_read() -> int:
+    """Bytes the store's swap engines read so far (this test's model is the only one training)."""
+    return sum(engine.bytes_read for engine in RUNTIME.store.engines())
+
+
+def _eager(clip: dict | None = None) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for step, batch in enumerate(synthetic_batches(CFG, 4, STEPS)):
+        model(*batch).backward()
+        if clip and step in clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip[step])
+        opt.step()
+        opt.zero_grad()
+    return {name: value.detach() for name, value in model.named_parameters()}
+
+
+def _assert_same(reused: dict, from_disk: dict, eager: dict) -> None:
+    for name, value in from_disk.items():
+        assert torch.equal(reused[name], value), f"{name}: reading the master once changed the result"
+    for name, value in eager.items():
+        torch.testing.assert_close(reused[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("options", [{}, {"tile_threshold": 2048, "tile_factor": 2}], ids=["whole", "tiled"])
+def test_the_master_is_read_once_in_backward(tmp_path, monkeypatch, options):
+    reused, read, stats, fetched, records = _train(tmp_path / "reuse", monkeypatch, reuse=True, **options)
+    from_disk, read_from_disk, disk_stats, _, _ = _train(tmp_path / "disk", monkeypatch, reuse=False, **options)
+    if options:
+        assert any(record.tile_rows for record in records), "nothing was tiled: the case tests nothing"
+    _assert_same(reused, from_disk, _eager())
+    assert stats["committed"] == disk_stats["committed"] == stats["started"] > 0
+    trained = sum(record.local_numel for record in records if record.params_in_master)
+    own_files = sum(record.local_numel for record in records if not record.params_in_master)
+    # The steps after the first (whose optimizer binds at its opt.step(): no early steps): reading every master
+    # from disk takes more than 16 bytes per parameter (the master twice in backward); taking it from the fetch,
+    # at most 16 (a parameter whose backward fetches nothing, e.g. a bias, reads its master once anyway).  A
+    # tiled parameter on NVMe keeps files of its own (padded tiles): its fetches do not read the master, and
+    # the parameters beside it still take theirs from the fetch.
+    for step in range(1, STEPS):
+        if own_files:
+            assert read_from_disk[step] > read[step], (step, read_from_disk[step], read[step])
+        else:
+            bound = 16 * trained
+            assert read_from_disk[step] > bound >= read[step], (step, read_from_disk[step], read[step], bound)
+    # Each byte the early step took from the fetch is one the disk did not read.
+    assert fetched["reused_bytes"] == sum(read_from_disk) - sum(read) > 0
+
+
+def test_a_clipped_step_reads_the_master_from_disk_as_before(tmp_path, monkeypatch):
+    """Clipping voids the early steps (taken from unclipped gradients, some from fetched masters): the step
+    after backward reads everything from disk, and the next step (after a clip) steps nothing early."""
+    clip = {1: 0.05}  # under the gradient norm: the second step clips
+    reused, read, stats, fetched, records = _train(tmp_path / "reuse", monkeypatch, reuse=True, clip=clip)
+    from_disk, read_from_disk, disk_stats, _, _ = _train(tmp_path / "disk", monkeypatch, reuse=False, clip=clip)
+    _assert_same(reused, from_disk, _eager(clip))
+    # Step 1 binds the optimizer; step 2 steps every parameter early, all dropped; step 3 steps none early.
+    assert stats == disk_stats == {"started": len(records), "committed": 0, "dropped": len(records)}
+    assert fetched["reused"] > 0
+    assert read[1] < read_from_disk[1] and read[2] == read_from_disk[2]
