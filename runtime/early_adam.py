@@ -122,7 +122,7 @@ class EarlyAdam:
         self.tiles: dict[int, set] = {}  # uid -> tiles added in the current arrival
         self.skip_next = False  # the last step clipped: no early steps this time
         self.pool: PinnedPool | None = None
-        self.fetched_masters = FetchedMasters(self._pool, nvme_adam.store.comm.tracer)
+        self.fetched_masters = FetchedMasters(nvme_adam.store.comm.tracer)
         self.stats = {"started": 0, "committed": 0, "dropped": 0}
         # Bytes of gradient copies counted as transient CPU memory, per model ledger: id -> [ledger, bytes].
         # Given back when each is used up, or all at once if the optimizer is dropped with steps in flight.
@@ -170,7 +170,7 @@ class EarlyAdam:
         byte ``offset`` of the pinned ``staging``): keep it for the early step, if one may come."""
         if (self.reuse_fetched_masters and not self.skip_next and record.uid in self.groups_by_uid
                 and record.owns_state and record.params_in_master):
-            self.fetched_masters.offer(record, staging, offset, reads)
+            self.fetched_masters.offer(self._pool(), record, staging, offset, reads)
 
     def gradient_changed(self, record) -> None:
         """``record``'s gradient was changed in place after it arrived (scaled: ``store.scale_grads``):
@@ -248,11 +248,18 @@ class EarlyAdam:
         record = job.record
         if record.params_in_master or job.param_staging is not None or job.stopped:
             return True
-        try:
-            job.param_staging = self._pool().acquire(record.shard_bytes, timeout=0)
-        except TimeoutError:
-            return False
-        return True
+        job.param_staging = self._acquire_now(record.shard_bytes)
+        return job.param_staging is not None
+
+    def _acquire_now(self, nbytes: int):
+        """A pool buffer without waiting, or None; kept masters make room only where nothing else would."""
+        pool = self._pool()
+        while True:
+            try:
+                return pool.acquire(nbytes, timeout=0)
+            except TimeoutError:
+                if pool.in_use_bytes > self.fetched_masters.kept_bytes or not self.fetched_masters.drop_oldest():
+                    return None
 
     def _finish_reads(self, job: _Job) -> None:
         """The oldest reading group: step it (its reads waited for), or give it back if the job stopped."""
@@ -323,6 +330,7 @@ class EarlyAdam:
         """The updated slice into the shard's staging (compute dtype); the whole shard written held at its end."""
         record = job.record
         if job.param_staging is None:  # finish(): nothing else holds the pool now (see _staging_ready)
+            self.fetched_masters.drop_all()  # nothing may wait on a buffer only a later step would use
             job.param_staging = self._pool().acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
         if stage_param(job.param_staging, group, master):
             job.keys.extend(key for key, _, _ in record.swap_layout())

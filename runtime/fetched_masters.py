@@ -21,9 +21,12 @@ class FetchedMasters:
 
     A fetch's bytes are copied into a buffer of the early step's pool (taken
     without waiting); the step takes that buffer as its sub-group's master
-    and reads only the moments.  The newest copies are kept: a fetch replaces
-    its parameter's older copy (the backward's fetch replaces the forward's,
-    the recompute's under activation checkpointing too) and makes room by
+    and reads only the moments.  Every graph fetch offers its bytes, the
+    forward's too: the backward's first fetches may be issued in forward, and
+    a parameter the backward does not fetch (a bias) has only the forward's.
+    The newest copies are kept: a fetch replaces its parameter's older copy
+    (the backward's fetch replaces the forward's, the recompute's under
+    activation checkpointing too) and makes room by
     dropping the oldest; where there is no room, no copy, and the step reads
     the disk as before.  A copy counts only while its key's good copy on disk
     is the one it was read from (``AioEngine.good_copy``): held writes of the
@@ -31,21 +34,21 @@ class FetchedMasters:
     :meth:`EarlyAdam.commit` drops them all.  No memory beyond the pool.
     """
 
-    def __init__(self, pool_of, tracer):
-        self.pool_of = pool_of  # () -> the early step's PinnedPool (made on first use)
+    def __init__(self, tracer):
         self.tracer = tracer  # the process's: each reuse is drawn on the optimizer io track
         self.kept: collections.OrderedDict = collections.OrderedDict()  # (uid, index) -> (PinnedBuffer, token)
         self.stats = {"kept": 0, "reused": 0, "reused_bytes": 0, "dropped": 0}
 
-    def offer(self, record, staging, offset: int, reads) -> None:
-        """Keep a copy of each master sub-group in ``staging`` (see :meth:`EarlyAdam.fetched_master`)."""
+    def offer(self, pool, record, staging, offset: int, reads) -> None:
+        """Keep a copy of each master sub-group in ``staging`` (see :meth:`EarlyAdam.fetched_master`), in
+        buffers of ``pool`` (the early step's)."""
         view = staging.memoryview()
         for index, (key, start, numel) in enumerate(reads):
             if key != record.plan.state_key("master", index):
                 return  # not the master's layout (never for params_in_master): keep nothing
             slot, nbytes = (record.uid, index), numel * 4
             previous = self.kept.pop(slot, None)
-            buffer = previous[0] if previous is not None else self._acquire(nbytes)
+            buffer = previous[0] if previous is not None else self._acquire(pool, nbytes)
             if buffer is None:
                 continue
             at = offset + start * 4
@@ -53,9 +56,8 @@ class FetchedMasters:
             self.kept[slot] = (buffer, record.swap.good_copy(key))
             self.stats["kept"] += 1
 
-    def _acquire(self, nbytes: int):
-        """A pool buffer without waiting, dropping the oldest copies for room; None where none frees one."""
-        pool = self.pool_of()
+    def _acquire(self, pool, nbytes: int):
+        """A buffer of ``pool`` without waiting, dropping the oldest copies for room; None where none frees one."""
         while True:
             try:
                 return pool.acquire(nbytes, timeout=0)
