@@ -9,7 +9,7 @@ Bytes read per step: 4 (forward fetch) + 4 (backward fetch) + 8 (moments) =
 that reads every master from disk.
 """
 
-import copy
+import types
 
 import pytest
 import torch
@@ -17,7 +17,12 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.api import RUNTIME
+from zinf_compiler.runtime.aio import AioEngine
 from zinf_compiler.runtime.early_adam import EarlyAdam
+from zinf_compiler.runtime.fetched_masters import FetchedMasters
+from zinf_compiler.runtime.nvme_adam import SubGroup
+from zinf_compiler.runtime.pinned import PinnedPool
+from zinf_compiler.runtime.trace import Tracer
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
@@ -114,3 +119,28 @@ def test_a_clipped_step_reads_the_master_from_disk_as_before(tmp_path, monkeypat
     assert stats == disk_stats == {"started": len(records), "committed": 0, "dropped": len(records)}
     assert fetched["reused"] > 0
     assert read[1] < read_from_disk[1] and read[2] == read_from_disk[2]
+
+
+def test_a_kept_master_counts_only_while_its_good_copy_on_disk_is_the_one_read(tmp_path):
+    """A copy kept from a fetch, then a write made good (a step, a checkpoint load): the step reads the disk."""
+    engine, pool = AioEngine(str(tmp_path)), PinnedPool(1 << 20)
+    try:
+        plan = types.SimpleNamespace(state_key=lambda state, index: f"{state}.7.{index}")
+        record = types.SimpleNamespace(uid=7, plan=plan, swap=engine)
+        group = SubGroup(record, 0, 0, 1024)
+        with pool.acquire(4096) as staging:
+            staging.tensor(torch.float32, 1024).copy_(torch.arange(1024.0))
+            engine.write("master.7.0", staging, 4096).wait()
+            kept = FetchedMasters(Tracer())
+            kept.offer(pool, record, staging, 0, (("master.7.0", 0, 1024),))
+        assert kept.has(group) and kept.kept_bytes == 4096
+        buffer = kept.take(group)
+        assert torch.equal(buffer.tensor(torch.float32, 1024), torch.arange(1024.0))
+        buffer.release()
+        with pool.acquire(4096) as staging:
+            kept.offer(pool, record, staging, 0, (("master.7.0", 0, 1024),))
+            engine.write("master.7.0", staging, 4096).wait()  # a new good copy: the kept one is stale
+        assert not kept.has(group) and kept.kept_bytes == 0 and pool.in_use_bytes == 0
+        assert kept.stats == {"kept": 2, "reused": 1, "reused_bytes": 4096, "dropped": 1}
+    finally:
+        engine.close()
