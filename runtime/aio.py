@@ -377,6 +377,13 @@ class AioEngine:
                         state.keys[key].lost = None
                     transaction.state = "committed"
 
+    def good_copy(self, key: str) -> object | None:
+        """A token of ``key``'s good copy (None: none): the same object until that copy changes (a write
+        made good, a commit, an invalidation), so bytes read from it can be told current or stale."""
+        with self._state.lock:
+            entry = self._state.keys.get(key)
+            return None if entry is None else entry.committed
+
     def holds(self, keys) -> bool:
         """Whether every key has a complete held copy (its ``hold=True`` write finished without an error)."""
         with self._state.lock:

@@ -40,6 +40,13 @@ Scope: parameters whose shard rests on NVMe (``offload_param="nvme"``, stage
 master's keys (fp32) or held writes of its own keys.  A shard resting in
 memory would need the updated copy kept aside until the verdict; such
 parameters step after backward.
+
+Master read once: an fp32 parameter resting on NVMe with its optimizer
+(``ParamPlan.params_in_master``) has no file of its own; the graph's fetch
+reads its master, and its early step would read the same bytes again a
+moment later.  :class:`FetchedMasters` keeps a copy of what the fetch read,
+in this pipeline's pool, and the step takes it as the sub-group's master
+buffer, reading only the moments (4 of the 12 bytes per parameter saved).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import weakref
 
 import torch
 
+from .fetched_masters import FetchedMasters
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
 from .pool_sizes import READ_AHEAD, early_step_pool_bytes
@@ -99,6 +107,8 @@ def hyperparameters(group: dict) -> tuple:
 class EarlyAdam:
     """Early steps of the parameters of one :class:`~zinf_compiler.runtime.nvme_adam.NvmeAdam`."""
 
+    reuse_fetched_masters = True  # False: every master is read from disk (tests compare the two)
+
     def __init__(self, nvme_adam, records_and_groups: list[tuple[object, dict]]):
         """``records_and_groups``: each record to step early with the optimizer's live param group of it."""
         self.nvme_adam = nvme_adam
@@ -112,6 +122,7 @@ class EarlyAdam:
         self.tiles: dict[int, set] = {}  # uid -> tiles added in the current arrival
         self.skip_next = False  # the last step clipped: no early steps this time
         self.pool: PinnedPool | None = None
+        self.fetched_masters = FetchedMasters(nvme_adam.store.comm.tracer)
         self.stats = {"started": 0, "committed": 0, "dropped": 0}
         # Bytes of gradient copies counted as transient CPU memory, per model ledger: id -> [ledger, bytes].
         # Given back when each is used up, or all at once if the optimizer is dropped with steps in flight.
@@ -153,6 +164,13 @@ class EarlyAdam:
                                      steps + 1, groups)
         self.stats["started"] += 1
         self.advance()
+
+    def fetched_master(self, record, staging, offset: int, reads) -> None:
+        """The graph's fetch read ``record``'s fp32 master (``reads``: its (key, element offset, elements) at
+        byte ``offset`` of the pinned ``staging``): keep it for the early step, if one may come."""
+        if (self.reuse_fetched_masters and not self.skip_next and record.uid in self.groups_by_uid
+                and record.owns_state and record.params_in_master):
+            self.fetched_masters.offer(self._pool(), record, staging, offset, reads)
 
     def gradient_changed(self, record) -> None:
         """``record``'s gradient was changed in place after it arrived (scaled: ``store.scale_grads``):
@@ -230,11 +248,18 @@ class EarlyAdam:
         record = job.record
         if record.params_in_master or job.param_staging is not None or job.stopped:
             return True
-        try:
-            job.param_staging = self._pool().acquire(record.shard_bytes, timeout=0)
-        except TimeoutError:
-            return False
-        return True
+        job.param_staging = self._acquire_now(record.shard_bytes)
+        return job.param_staging is not None
+
+    def _acquire_now(self, nbytes: int):
+        """A pool buffer without waiting, or None; kept masters make room only where nothing else would."""
+        pool = self._pool()
+        while True:
+            try:
+                return pool.acquire(nbytes, timeout=0)
+            except TimeoutError:
+                if pool.in_use_bytes > self.fetched_masters.kept_bytes or not self.fetched_masters.drop_oldest():
+                    return None
 
     def _finish_reads(self, job: _Job) -> None:
         """The oldest reading group: step it (its reads waited for), or give it back if the job stopped."""
@@ -245,11 +270,26 @@ class EarlyAdam:
             self._compute(job, group)
 
     def _start_reads(self, job: _Job, group: SubGroup, wait: bool) -> bool:
-        """nvme_adam's first stage, in the background; False when the pool has no room now (``wait`` False)."""
-        if not take_buffers(group, self._pool(), STATE_NAMES, POOL_WAIT_SECONDS if wait else 0):
-            return False
+        """nvme_adam's first stage, in the background; False when the pool has no room now (``wait`` False).
+
+        A master the graph's fetch kept is taken instead of read.  Kept copies
+        are only a saving: they make room (oldest first) where nothing else
+        would (the pool holds nothing but them), and before anything waits.
+        """
+        fetched = self.fetched_masters.has(group)
+        names = STATE_NAMES[1:] if fetched else STATE_NAMES
+        while not take_buffers(group, self._pool(), names, 0):
+            if not wait and self._pool().in_use_bytes > self.fetched_masters.kept_bytes:
+                return False  # buffers of steps in flight come back without waiting on this one
+            if not self.fetched_masters.drop_oldest(but=group):
+                if not wait:
+                    return False
+                take_buffers(group, self._pool(), names, POOL_WAIT_SECONDS)
+                break
+        if fetched:
+            group.buffers["master"] = self.fetched_masters.take(group)
         try:
-            start_reads(group, STATE_NAMES, job.step_count == 1, background=True)
+            start_reads(group, names, job.step_count == 1, background=True)
         except BaseException as err:  # a read that could not start: the job is void, its buffers settle
             job.error = job.error or err
         return True
@@ -290,6 +330,7 @@ class EarlyAdam:
         """The updated slice into the shard's staging (compute dtype); the whole shard written held at its end."""
         record = job.record
         if job.param_staging is None:  # finish(): nothing else holds the pool now (see _staging_ready)
+            self.fetched_masters.drop_all()  # nothing may wait on a buffer only a later step would use
             job.param_staging = self._pool().acquire(record.shard_bytes, timeout=POOL_WAIT_SECONDS)
         if stage_param(job.param_staging, group, master):
             job.keys.extend(key for key, _, _ in record.swap_layout())
@@ -349,6 +390,7 @@ class EarlyAdam:
         gradients after the early steps read them (none counts).
         """
         self.finish()
+        self.fetched_masters.drop_all()  # the masters change now; a fetch of the next step reads them anew
         committed = set()
         for uid, job in self.jobs.items():
             self._release_grad(job)  # a job that stopped half way may still hold it

@@ -16,7 +16,7 @@ from .comm import Comm
 from .ledger import ZinfStoreError
 from .transfers import Transfer, TransferState as State
 from .tiers import fetch_steps
-from .records import DONE, POOL_WAIT_SECONDS, ParamRecord, finish_copies, nbytes_of, padded_view
+from .records import DONE, POOL_WAIT_SECONDS, ParamRecord, finish_copies, grad_listener_of, nbytes_of, padded_view
 from .units import Unit, unit_of
 
 
@@ -69,13 +69,28 @@ class FetchSteps:
         transfer = self._transfers.move(unit, "nc_start", State.NEW, State.READING)
         transfer.staging, transfer.pending = staging, requests
 
-    def nc_wait(self, unit: Unit) -> None:
-        """Finish the unit's oldest NVMe read: its pinned buffer holds the local shards."""
+    def nc_wait(self, unit: Unit, in_graph: bool = True) -> None:
+        """Finish the unit's oldest NVMe read: its pinned buffer holds the local shards.
+
+        ``in_graph``: a graph's fetch, whose masters a backward may step next (not one outside any graph).
+        """
         self._advance_background()
         transfer = self._transfers.move(unit, "nc_wait", State.READING, State.READ)
         for request in transfer.pending:
             request.wait()  # raises AioError for a failed read; abandon_transfers gives the buffer back
         transfer.pending = []
+        if in_graph and transfer.staging is not None:
+            self._offer_fetched_masters(unit, transfer.staging)
+
+    @staticmethod
+    def _offer_fetched_masters(unit: Unit, staging) -> None:
+        """The fp32 masters this read brought (``params_in_master``) go to the parameter's early optimizer
+        step, which may keep them rather than read them again (runtime/fetched_masters.py)."""
+        for piece, at in zip(unit.pieces, unit.staging_offsets):
+            record = piece.layout
+            listener = grad_listener_of(record) if record.params_in_master else None
+            if listener is not None:
+                listener.fetched_master(record, staging, at, piece.reads)
 
     def cg_start(self, unit: Unit) -> None:
         """Start copying the unit's local input (CPU shards, or the nc buffer) to the device."""
@@ -125,7 +140,7 @@ class FetchSteps:
         # No nc/cg ran for this use (outside a graph, or the offload pass is off): fetch synchronously.
         if unit.pieces[0].layout.param_tier == "nvme":
             self.nc_start(unit)
-            self.nc_wait(unit)
+            self.nc_wait(unit, in_graph=False)
         self.cg_start(unit)
         self.cg_wait(unit)
         return self._start_gather_from_local_input(unit)
