@@ -81,8 +81,10 @@ def _assert_same(reused: dict, from_disk: dict, eager: dict) -> None:
         torch.testing.assert_close(reused[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("options", [{}, {"tile_threshold": 2048, "tile_factor": 2},
-                                     {"activation_checkpointing": "block"}], ids=["whole", "tiled", "checkpointed"])
+# The default run keeps the whole model (the reuse and its bytes); tiling and checkpointing run under --all.
+@pytest.mark.parametrize("options", [{}, pytest.param({"tile_threshold": 2048, "tile_factor": 2}, marks=pytest.mark.slow),
+                                     pytest.param({"activation_checkpointing": "block"}, marks=pytest.mark.slow)],
+                         ids=["whole", "tiled", "checkpointed"])
 def test_the_master_is_read_once_in_backward(tmp_path, monkeypatch, options):
     reused, read, stats, fetched, records = _train(tmp_path / "reuse", monkeypatch, reuse=True, **options)
     from_disk, read_from_disk, disk_stats, _, _ = _train(tmp_path / "disk", monkeypatch, reuse=False, **options)
@@ -108,6 +110,7 @@ def test_the_master_is_read_once_in_backward(tmp_path, monkeypatch, options):
     assert fetched["reused_bytes"] == sum(read_from_disk) - sum(read) > 0
 
 
+@pytest.mark.slow
 def test_a_clipped_step_reads_the_master_from_disk_as_before(tmp_path, monkeypatch):
     """Clipping voids the early steps (taken from unclipped gradients, some from fetched masters): the step
     after backward reads everything from disk, and the next step (after a clip) steps nothing early."""
