@@ -175,7 +175,7 @@ def same_options(first: dict, second: dict) -> bool:
     from zinf_compiler.options import parse_options
 
     def parsed(options: dict):
-        kept = {k: v for k, v in options.items() if k not in ("host_memory", "nvme_path")}
+        kept = {k: v for k, v in options.items() if k != "host_memory"}
         return {k: v for k, v in dataclasses.asdict(parse_options(kept)).items() if k not in ("host_memory", "nvme_path")}
 
     return parsed(first) == parsed(second)
