@@ -116,6 +116,7 @@ def test_the_plan_counts_attention_flops_and_the_other_ops_bytes():
     assert step["optimizer"] > 0
 
 
+@pytest.mark.slow  # spawns two processes (about 10 s)
 def test_planning_world_size_2_from_one_process_measures_the_collective_rate():
     from zinf_compiler.plan_cli import _profile
 
