@@ -157,7 +157,9 @@ def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute:
         if trained and not plan.params_in_master:
             write += shard_bytes  # the stepped value written back
     if trained and plan.opt_tier == "nvme":
-        read += 3 * local_fp32  # master and two moments
+        # Master and two moments; a step during backward takes the master the backward's fetch read
+        # (runtime/fetched_masters.py) where the parameter is read from its master's files.
+        read += (2 if plan.params_in_master and plan.step_in_backward else 3) * local_fp32
         write += 3 * local_fp32
         if not grad_in_ram:
             read += local_fp32
