@@ -77,13 +77,15 @@ class BudgetError(ZinfOptionError):
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
          world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None,
-         process_bytes: int | None = None) -> Prediction:
+         process_bytes: int | None = None, built_in_memory: bool = True) -> Prediction:
     """``zinf.plan``: the planner's prediction for ``options`` (zinf_compiler/planner.py), or, where they name
-    a budget (:func:`is_budget`), the prediction of the option set :func:`choose` picks."""
+    a budget (:func:`is_budget`), the prediction of the option set :func:`choose` picks.  ``built_in_memory``:
+    False where the model will be made by ``zinf.materialize`` (never whole in RAM; see ``Prediction.peak_rss``)."""
     options = dict(options or {})
     if not is_budget(options):
         return plan_options(model, example_inputs, options, world_size, profile, ranks_per_node)
-    return choose(model, example_inputs, options, world_size, profile, ranks_per_node, process_bytes)
+    return choose(model, example_inputs, options, world_size, profile, ranks_per_node, process_bytes,
+                  built_in_memory)
 
 
 def is_budget(options: Mapping) -> bool:
@@ -96,11 +98,12 @@ def is_budget(options: Mapping) -> bool:
 
 
 def choose(model: torch.nn.Module, example_inputs: Sequence[Any] | None, options: Mapping, world_size: int | None = None,
-           profile: Any = None, ranks_per_node: int | None = None, process_bytes: int | None = None) -> Prediction:
+           profile: Any = None, ranks_per_node: int | None = None, process_bytes: int | None = None,
+           built_in_memory: bool = True) -> Prediction:
     """The prediction of the fastest option set that fits ``options``' budgets (see the module docstring), with
     ``budget`` and ``candidates`` set.  ``profile``: the rates the step is predicted at (default: the cost
     model's nominal ones); ``process_bytes``: this process's RSS before the model (default: its RSS now less the
-    model's allocated parameters and buffers)."""
+    model's allocated parameters and buffers); ``built_in_memory``: see ``Prediction.peak_rss``."""
     if example_inputs is None:
         raise BudgetError("choosing options under a budget needs example_inputs (one batch): the activations and the "
                           "step's time decide it")
@@ -119,7 +122,7 @@ def choose(model: torch.nn.Module, example_inputs: Sequence[Any] | None, options
         if nvme and not usable:  # (weighed all the same: the error says what a disk would allow)
             option_set["nvme_path"] = tempfile.gettempdir()
         prediction = _weigh(model_blueprint, option_set, budgets, process_bytes, world_size, profile,
-                            ranks_per_node)
+                            ranks_per_node, built_in_memory)
         if not usable:
             prediction.options.pop("nvme_path")
         weighed.append((prediction, usable))
@@ -178,12 +181,12 @@ def _option_sets(fixed: dict, budgets: dict, model: Blueprint) -> list[dict]:
 
 
 def _weigh(model: Blueprint, option_set: dict, budgets: dict, process_bytes: int, world_size: int, profile: Any,
-           ranks_per_node: int | None) -> Prediction:
+           ranks_per_node: int | None, built_in_memory: bool = True) -> Prediction:
     """``option_set``'s prediction with its peak RSS (``predicted_rss``); with an NVMe tier and a host budget,
     the RAM cache given what the budget leaves (see the module docstring)."""
     def predict(extra: dict) -> Prediction:
         prediction = plan_blueprint(model, {**option_set, **extra}, world_size, profile, ranks_per_node)
-        prediction.predicted_rss = prediction.peak_rss(process_bytes)
+        prediction.predicted_rss = prediction.peak_rss(process_bytes, built_in_memory)
         return prediction
 
     host = budgets["host_memory"]

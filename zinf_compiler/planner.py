@@ -78,6 +78,7 @@ class Prediction:
     disk_write: int
     collective: int
     model_bytes: int = 0  # the whole model's parameters in compute dtype
+    built_bytes: int = 0  # the whole model's parameters as built (their own dtypes), before zinf adopts them
     flops: int | None = None
     step: dict[str, float] | None = None
     # Set where zinf_compiler/budget.py chose the options: the budgets in bytes, the peak RSS it predicted
@@ -103,15 +104,22 @@ class Prediction:
         return on_host
 
 
-    def peak_rss(self, process_bytes: int) -> int:
+    def peak_rss(self, process_bytes: int, built_in_memory: bool = True) -> int:
         """The rank's predicted peak RSS: ``process_bytes`` (the process before the model is built: Python,
         torch, zinf and the model's own libraries imported), :meth:`host_bytes`, what compiling and running
         the graphs keeps (:data:`COMPILE_BYTES`) and, at world size > 1, the collectives' staging: the
         gathered parameters and the unreduced gradients in flight, one model's worth of compute-dtype bytes
         (:data:`IN_FLIGHT_MODELS`).  The last two are calibrated (benchmarks/plan_accuracy.py, RESULTS.md).
+
+        ``built_in_memory`` (``torch.compile(GPT(cfg), ...)``; not with ``zinf.materialize``): the model's
+        parameters as built stay in RAM until the first call adopts them, beside the pinned pools and the
+        compile, so the peak is at least that (it is the peak where the states then leave for NVMe).
         """
         in_flight = IN_FLIGHT_MODELS * self.model_bytes if self.world_size > 1 else 0
-        return process_bytes + self.host_bytes() + COMPILE_BYTES + in_flight
+        running = process_bytes + self.host_bytes() + COMPILE_BYTES + in_flight
+        if not built_in_memory:
+            return running
+        return max(running, process_bytes + self.built_bytes + sum(self.pinned.values()) + COMPILE_BYTES)
 
 
 def _state_bytes(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool) -> dict[str, dict[str, int]]:
@@ -372,9 +380,10 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
     model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
+    built_bytes = sum(param.numel() * param.element_size() for param, *_ in planned)
     return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
                       swap_space=swap_space, disk_read=read, disk_write=write, collective=collective,
-                      model_bytes=model_bytes, flops=flops, step=step)
+                      model_bytes=model_bytes, built_bytes=built_bytes, flops=flops, step=step)
 
 
 def _step_seconds(flops: int, moved: int, recompute: bool, read: int, write: int, collective: int,

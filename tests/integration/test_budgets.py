@@ -14,7 +14,7 @@ import torch
 
 import zinf_compiler as zinf
 from zinf_compiler.api import RUNTIME
-from zinf_compiler.budget import describe_choice
+from zinf_compiler.budget import RSS_MARGIN, describe_choice
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 
 # Its states (16 bytes a parameter, ~190 MiB) outweigh the NVMe tier's pinned pools (sized from the largest
@@ -59,7 +59,8 @@ def test_a_small_budget_chooses_the_ram_cache_over_nvme_and_trains_equal_to_eage
     on_disk = _peak({"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path),
                      "nvme_grad_ram_bytes": 0, "ram_cache_bytes": 0})
     assert on_disk < in_ram  # (else no budget between them: the model is too small for this test)
-    budget = (on_disk + in_ram) // 2
+    # Half way between them, once the chooser's margin is taken off: all-NVMe fits, the cpu tier does not.
+    budget = int((on_disk + in_ram) / 2 / (1 - RSS_MARGIN))
     with caplog.at_level(logging.INFO, logger="zinf"):
         chosen = zinf.plan(_blueprint(), BATCHES[0], {"host_memory": budget, "nvme_path": str(tmp_path)},
                            process_bytes=PROCESS_BYTES)
