@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from .fetched_masters import FetchedMasters
+from .fetched_masters import FetchedMasters, try_acquire
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
 from .pool_sizes import READ_AHEAD, early_step_pool_bytes
@@ -254,12 +254,7 @@ class EarlyAdam:
     def _acquire_now(self, nbytes: int):
         """A pool buffer without waiting, or None; kept masters make room only where nothing else would."""
         pool = self._pool()
-        while True:
-            try:
-                return pool.acquire(nbytes, timeout=0)
-            except TimeoutError:
-                if pool.in_use_bytes > self.fetched_masters.kept_bytes or not self.fetched_masters.drop_oldest():
-                    return None
+        return self.fetched_masters.making_room(lambda: try_acquire(pool, nbytes), pool, only_when_idle=True)
 
     def _finish_reads(self, job: _Job) -> None:
         """The oldest reading group: step it (its reads waited for), or give it back if the job stopped."""
@@ -278,14 +273,12 @@ class EarlyAdam:
         """
         fetched = self.fetched_masters.has(group)
         names = STATE_NAMES[1:] if fetched else STATE_NAMES
-        while not take_buffers(group, self._pool(), names, 0):
-            if not wait and self._pool().in_use_bytes > self.fetched_masters.kept_bytes:
+        pool = self._pool()
+        if not self.fetched_masters.making_room(lambda: take_buffers(group, pool, names, 0), pool,
+                                                only_when_idle=not wait, but=group):
+            if not wait:
                 return False  # buffers of steps in flight come back without waiting on this one
-            if not self.fetched_masters.drop_oldest(but=group):
-                if not wait:
-                    return False
-                take_buffers(group, self._pool(), names, POOL_WAIT_SECONDS)
-                break
+            take_buffers(group, pool, names, POOL_WAIT_SECONDS)
         if fetched:
             group.buffers["master"] = self.fetched_masters.take(group)
         try:

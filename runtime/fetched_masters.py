@@ -58,12 +58,21 @@ class FetchedMasters:
 
     def _acquire(self, pool, nbytes: int):
         """A buffer of ``pool`` without waiting, dropping the oldest copies for room; None where none frees one."""
+        return self.making_room(lambda: try_acquire(pool, nbytes), pool, only_when_idle=False)
+
+    def making_room(self, take, pool, only_when_idle: bool, but: SubGroup | None = None):
+        """``take()``'s first truthy result (an attempt on ``pool`` that does not wait), dropping the oldest
+        kept copies (not ``but``'s) between attempts; None where dropping frees nothing more.  With
+        ``only_when_idle`` copies are dropped only while the pool holds nothing else: a buffer in other use
+        comes back without this, and a copy is worth more than an earlier start."""
         while True:
-            try:
-                return pool.acquire(nbytes, timeout=0)
-            except TimeoutError:
-                if not self.drop_oldest():
-                    return None
+            taken = take()
+            if taken:
+                return taken
+            if only_when_idle and pool.in_use_bytes > self.kept_bytes:
+                return None
+            if not self.drop_oldest(but=but):
+                return None
 
     @property
     def kept_bytes(self) -> int:
@@ -107,3 +116,11 @@ class FetchedMasters:
         buffer, _ = self.kept.pop(slot)
         buffer.release()
         self.stats["dropped"] += 1
+
+
+def try_acquire(pool, nbytes: int):
+    """A buffer of ``pool`` now, or None where it has no room."""
+    try:
+        return pool.acquire(nbytes, timeout=0)
+    except TimeoutError:
+        return None
