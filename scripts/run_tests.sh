@@ -16,6 +16,6 @@ if [ "${1:-}" = "--all" ]; then
     select=(-m "")  # every marker: the default run leaves out -m slow
     export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"  # 8 drawn cases per property, not 3
 fi
-# --durations: the slowest tests. The default run from a fresh clone, cold Inductor cache, 2 cores: 9 min 18 s
-# wall with the install (pytest 7 min 56 s; README, "Setup").
+# --durations: the slowest tests. The default run from a fresh clone, cold Inductor cache, 2 cores: 9 min 38 s
+# wall with the install (pytest 8 min 6 s; README, "Setup").
 "$VENV_PYTHON" -m pytest -q --durations=15 "${select[@]}" "$@"
