@@ -169,7 +169,7 @@ def main() -> None:
     number = 0
     for round_number in range(args.rounds):
         for name in names:
-            kind, world, _ = CONFIGS[name]
+            world = CONFIGS[name][1]
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29700 + args.port_offset + number))
             number += 1
             with tempfile.TemporaryDirectory(prefix="zinf-plan-acc-", dir=REPO) as out_dir:
@@ -179,7 +179,7 @@ def main() -> None:
                                           "imported_rss": max(r["imported_rss"] for r in ranks)})
             print(f"round {round_number + 1}/{args.rounds} {name}: step {ranks[0]['step']:.3f} s", flush=True)
     for name in names:
-        kind, world, _ = CONFIGS[name]
+        world = CONFIGS[name][1]
         predicted = predict(name, profiles[world])
         runs = measured_rounds[name]
         fastest = min(run["step"] for run in runs)

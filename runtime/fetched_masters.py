@@ -48,17 +48,14 @@ class FetchedMasters:
                 return  # not the master's layout (never for params_in_master): keep nothing
             slot, nbytes = (record.uid, index), numel * 4
             previous = self.kept.pop(slot, None)
-            buffer = previous[0] if previous is not None else self._acquire(pool, nbytes)
+            buffer = (previous[0] if previous is not None else
+                      self.making_room(lambda: try_acquire(pool, nbytes), pool, only_when_idle=False))
             if buffer is None:
                 continue
             at = offset + start * 4
             buffer.memoryview()[:nbytes] = view[at : at + nbytes]
             self.kept[slot] = (buffer, record.swap.good_copy(key))
             self.stats["kept"] += 1
-
-    def _acquire(self, pool, nbytes: int):
-        """A buffer of ``pool`` without waiting, dropping the oldest copies for room; None where none frees one."""
-        return self.making_room(lambda: try_acquire(pool, nbytes), pool, only_when_idle=False)
 
     def making_room(self, take, pool, only_when_idle: bool, but: SubGroup | None = None):
         """``take()``'s first truthy result (an attempt on ``pool`` that does not wait), dropping the oldest

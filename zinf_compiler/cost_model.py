@@ -166,16 +166,13 @@ def _timed(fn, device: torch.device, repeats: int = 3) -> float:
 
 
 def _probe_matmul(device: torch.device, dtype: torch.dtype) -> float:
+    size = 4096 if device.type == "cuda" else 512
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
     if device.type == "cuda":
-        size = 4096
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
         return 2 * size**3 / _timed(lambda: torch.mm(a, b), device)
-    # On a CPU the median of 7 small ones (about 20 ms; every compile's profile pays it): the best of three
-    # scattered by 30% from probe to probe, the median follows a training step's sustained rate.
-    size = 512
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    # On a CPU the median of 7 small ones (about 20 ms, paid once per process and profile key): the best of
+    # three scattered by 30% from probe to probe; the median still varies by up to a quarter (RESULTS.md).
     torch.mm(a, b)
     seconds = []
     for _ in range(7):
