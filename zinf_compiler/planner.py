@@ -14,6 +14,9 @@ What it predicts, per rank (the rank holding the most):
   optimizer, activations) after backward, before the step: the figures
   ``zinf.memory_report`` gives at that point, by the same rules;
 * ``pinned``: the staging pools per consumer (runtime/pool_sizes.py's formulas);
+* ``early_step_grads``: the fp32 gradient copies the optimizer's step during
+  backward holds in RAM until it has stepped them (NVMe optimizer tier,
+  gradients not kept in RAM): at most every such gradient at once, a peak;
 * ``swap_space``: the bytes ``nvme_path`` needs (every copy, see ``nvme_copies``);
 * ``disk_read`` / ``disk_write`` / ``collective``: bytes per step;
 * ``step``: seconds of compute (the matmuls' FLOPs at the probed matmul rate
@@ -81,6 +84,11 @@ class Prediction:
     built_bytes: int = 0  # the whole model's parameters as built (their own dtypes), before zinf adopts them
     flops: int | None = None
     step: dict[str, float] | None = None
+    # fp32 gradient copies the step during backward (runtime/early_adam.py, ``start(owned=True)``) holds in RAM
+    # until it has stepped them, for parameters whose gradient rests on NVMe: the runtime counts them as transient
+    # cpu bytes (measured: up to 62% of them at once on the budgets GPT, varying step to step as the disk lags);
+    # predicted at their whole, the bound.
+    early_step_grads: int = 0
     # Set where zinf_compiler/budget.py chose the options: the budgets in bytes, the peak RSS it predicted
     # (with the process's own bytes), and every option set it weighed (a Prediction each, with its peak_rss).
     budget: dict[str, int] | None = None
@@ -97,8 +105,9 @@ class Prediction:
 
     def host_bytes(self) -> int:
         """Host memory zinf holds on this rank: the cpu tier, the pinned pools and, on a CPU device, the
-        device tier too (the process's own libraries and Python objects are not counted)."""
-        on_host = self.tier_total("cpu") + sum(self.pinned.values())
+        device tier too (the process's own libraries and Python objects are not counted), at its peak: the
+        gradients the step during backward holds (:attr:`early_step_grads`) included."""
+        on_host = self.tier_total("cpu") + sum(self.pinned.values()) + self.early_step_grads
         if self.options.get("device", "cpu") == "cpu":
             on_host += self.tier_total("device")
         return on_host
@@ -352,6 +361,7 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
     plans, read, write, collective, swap_space = [plan for *_, plan in planned], 0, 0, 0, 0
     accelerated = bool(plans) and plans[0].device.type == "cuda"
     host_stepped = 0  # fp32 elements the optimizer steps on the CPU (cpu, nvme and, on a CPU device, all tiers)
+    early_step_grads = 0
     for param, _, _, plan in planned:
         grad_in_ram = False
         if plan.opt_tier == "nvme" and plan.local_numel and plan.local_numel * 4 <= grad_ram_left:
@@ -359,6 +369,9 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
         for tier, kinds in _state_bytes(plan, param, grad_in_ram).items():
             for kind, nbytes in kinds.items():
                 memory[tier][kind] += nbytes
+        if (plan.opt_tier == "nvme" and plan.step_in_backward and not grad_in_ram and param.requires_grad
+                and param.dtype.is_floating_point):
+            early_step_grads += plan.local_numel * 4
         moved = _traffic(plan, param, grad_in_ram, recompute)
         read, write, collective = read + moved[0], write + moved[1], collective + moved[2]
         swap_space += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
@@ -383,7 +396,8 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
     built_bytes = sum(param.numel() * param.element_size() for param, *_ in planned)
     return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
                       swap_space=swap_space, disk_read=read, disk_write=write, collective=collective,
-                      model_bytes=model_bytes, built_bytes=built_bytes, flops=flops, step=step)
+                      model_bytes=model_bytes, built_bytes=built_bytes, flops=flops, step=step,
+                      early_step_grads=early_step_grads)
 
 
 def _step_seconds(flops: int, moved: int, recompute: bool, read: int, write: int, collective: int,

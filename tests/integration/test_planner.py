@@ -177,7 +177,8 @@ def test_a_model_built_in_memory_counts_until_it_is_adopted(tmp_path):
         blueprint = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
     options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path),
-               "nvme_grad_ram_bytes": 0}  # (the gradients in swap files too: little of the model rests in RAM)
+               "nvme_grad_ram_bytes": 0, "overlap_optimizer": False}
+    # (the gradients in swap files too, and no step during backward holding them: little of the model rests in RAM)
     predicted = zinf.plan(blueprint, (idx, idx), options)
     built = sum(p.numel() * 4 for p in blueprint.parameters())
     assert predicted.built_bytes == built
@@ -186,3 +187,22 @@ def test_a_model_built_in_memory_counts_until_it_is_adopted(tmp_path):
     assert predicted.peak_rss(process) == max(materialized,
                                               process + built + sum(predicted.pinned.values()) + COMPILE_BYTES)
     assert predicted.peak_rss(process) > materialized
+
+
+def test_the_gradients_a_step_during_backward_holds_count_in_the_peak(tmp_path):
+    """With the gradients on NVMe, the optimizer's step during backward holds a RAM copy of each until it has
+    stepped it (runtime/early_adam.py): the peak counts them, at most all at once; none with the gradients in
+    RAM (the step reads those) or without the step during backward."""
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=64)
+    with torch.device("meta"):
+        blueprint = GPT(cfg)
+    nvme = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
+    grads = 4 * sum({id(p): p.numel() for p in blueprint.parameters()}.values())
+    on_disk = zinf.plan(blueprint, None, {**nvme, "nvme_grad_ram_bytes": 0})
+    assert on_disk.early_step_grads == grads
+    late = zinf.plan(blueprint, None, {**nvme, "nvme_grad_ram_bytes": 0, "overlap_optimizer": False})
+    assert late.early_step_grads == 0
+    early_pool = on_disk.pinned["early_optimizer"] - late.pinned["early_optimizer"]  # (its own staging pool)
+    assert on_disk.peak_rss(0, built_in_memory=False) == late.peak_rss(0, built_in_memory=False) + grads + early_pool
+    in_ram = zinf.plan(blueprint, None, {**nvme, "nvme_grad_ram_bytes": 1 << 40})
+    assert in_ram.early_step_grads == 0 and in_ram.memory["cpu"]["grads"] == grads
