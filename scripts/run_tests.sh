@@ -17,5 +17,5 @@ if [ "${1:-}" = "--all" ]; then
     export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"  # 8 drawn cases per property, not 3
 fi
 # --durations: the slowest tests. The default run from a fresh clone, cold Inductor cache, 2 cores: 9 min 38 s
-# wall with the install (pytest 8 min 6 s; README, "Setup").
+# wall with the install (pytest 8 min 6 s), 14 min 32 s on a slower machine of the same kind (README, "Setup").
 "$VENV_PYTHON" -m pytest -q --durations=15 "${select[@]}" "$@"
