@@ -1,8 +1,10 @@
 """A timeline of one training step: compute, transfers and bytes per tier.
 
 With ``dump_dir`` set, the backend arms the process's tracer (``Runtime.tracer``, runtime/process.py) for optimizer step
-``trace_step`` (default 2: the first step pays for compilation).  Recording
-starts when step ``trace_step - 1`` returns from ``optimizer.step()`` (or at
+``trace_step`` (default 2: the first step pays for compilation) of the model it compiles: the steps
+counted are those of optimizers over that model's parameters (other models in the process train on
+without moving the count), and a model dropped before its traced step ends its recording unwritten.
+Recording starts when step ``trace_step - 1`` returns from ``optimizer.step()`` (or at
 the first forward, for ``trace_step=1``) and ends when step ``trace_step``
 returns; then ``trace.json`` (Chrome trace, opens in Perfetto or
 chrome://tracing) and ``memory.png`` (bytes per tier over time, when
@@ -38,7 +40,8 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator
+import weakref
+from typing import Callable, Iterable, Iterator
 
 log = logging.getLogger("zinf")
 
@@ -63,6 +66,10 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _dead() -> None:
+    """What a dead weak reference returns."""
+
+
 class Tracer:
     """Records one step's timeline (see the module docstring); cheap when not recording."""
 
@@ -79,35 +86,60 @@ class Tracer:
         self._marks: list[tuple[str, float]] = []
         self._sampler: threading.Thread | None = None
         self._sample_fn: Callable[[], dict[str, int]] | None = None
+        # The parameters of the model that armed the trace, by id (weakly: the trace must not keep a dropped
+        # model; not a WeakSet, whose lookups compare tensors with ==).
+        self._owner: dict[int, weakref.ref] | None = None
         self._window: tuple[float, float] | None = None
         self.last_summary: dict | None = None
         self.last_files: list[str] = []
 
     # --- arming (backend) and step boundaries (optimizer) ------------------------------
 
-    def arm(self, folder: str, trace_step: int, sample_fn: Callable[[], dict[str, int]] | None) -> None:
-        """Trace optimizer step ``trace_step`` (counted from now) into ``folder``.
+    def arm(self, folder: str, trace_step: int, sample_fn: Callable[[], dict[str, int]] | None,
+            params: Iterable = ()) -> None:
+        """Trace optimizer step ``trace_step`` (counted from now) of the model with ``params`` into ``folder``.
 
         Every compile calls this; a pending arm for the same folder is kept
-        (a graph break compiles mid-step), a recording is never interrupted.
+        (a graph break compiles mid-step), a recording is never interrupted
+        while its model lives.  Without ``params`` every optimizer's step counts.
         """
+        self._forget_a_dropped_model()
         with self._lock:
             if trace_step <= 0 or self.recording or self._folder == folder:
                 return
             self._folder, self._trace_step, self._sample_fn = folder, trace_step, sample_fn
+            self._owner = {id(param): weakref.ref(param) for param in params} or None
             self._steps_seen = 0
         if trace_step == 1:
             self._start()
 
-    def step_done(self) -> None:
-        """``optimizer.step()`` returned: start or finish the recording."""
-        if self._folder is None:
+    def step_done(self, params: Iterable = ()) -> None:
+        """An optimizer over ``params`` returned from ``step()``: start or finish the recording."""
+        if self._folder is None or self._forget_a_dropped_model():
             return
+        if self._owner is not None and not any(self._owner.get(id(param), _dead)() is param for param in params):
+            return  # another model's step
         self._steps_seen += 1
         if self.recording and self._steps_seen == self._trace_step:
             self._finish()
         elif not self.recording and self._steps_seen == self._trace_step - 1:
             self._start()
+
+    def _forget_a_dropped_model(self) -> bool:
+        """Disarm, dropping what was recorded, when every parameter of the armed model is gone."""
+        if self._owner is None or any(ref() is not None for ref in self._owner.values()):
+            return False
+        if self.recording:
+            self.recording = False
+            if self._sampler is not None:
+                self._sampler.join()
+                self._sampler = None
+            log.warning("zinf: the model traced into %s was dropped before its step %d: no trace written",
+                        self._folder, self._trace_step)
+        with self._lock:
+            self._intervals, self._stalls, self._samples, self._marks = [], [], [], []
+            self._folder, self._owner, self._sample_fn = None, None, None
+        return True
 
     def _start(self) -> None:
         with self._lock:
@@ -132,7 +164,7 @@ class Tracer:
             log.warning("zinf: traced step %d: %s", self._trace_step, ", ".join(self.last_files))
         except OSError as err:  # a trace is a diagnostic: never fail training over it
             log.warning("zinf: could not write the step trace to %s: %s", self._folder, err)
-        self._folder = None
+        self._folder, self._owner = None, None
 
     def _sample_loop(self) -> None:
         while self.recording:

@@ -118,7 +118,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
     dumper = GraphDumper(captured)
     dumper.dump_dynamo(gm)
     if dumper.enabled:
-        RUNTIME.tracer.arm(dumper.root, options.trace_step, RUNTIME.trace_sample)
+        RUNTIME.tracer.arm(dumper.root, options.trace_step, RUNTIME.trace_sample, captured.param_tensors.values())
     rewrite = functools.partial(rewrite_aten_graph, captured, dumper)
     joint_hook = joint_graph_hook(captured)  # the checkpointing policy, on the joint graph
     if options.offload_activations == "nvme":

@@ -178,6 +178,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         """The slots whose master the inner torch optimizer steps."""
         return [slot for group_slots in self._slots for slot in group_slots]
 
+    def _params(self) -> Iterator[torch.Tensor]:
+        """This optimizer's parameters, as its param groups hold them."""
+        return (param for group in self.param_groups for param in group["params"])
+
     def _records(self) -> list[ParamRecord]:
         return [slot.record for slot in self.slots() if slot.record is not None]
 
@@ -242,7 +246,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             self._store.refresh_full_params(self._records())
             self._account_state()
             trim()
-            self._tracer.step_done()
+            self._tracer.step_done(self._params())
             return loss
         self._store.sync_written_params(self._records())  # stages 1-2: the user may have loaded new weights
         self._reduce_full_grads()
@@ -255,7 +259,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if agree_on_skip(scalers, self._mesh().everyone, fp16_records[0].device, self._collective_timeout()):
                 # An fp16 gradient overflowed on some rank: no update this step.
                 self._store.drop_grads(self._records())
-                self._tracer.step_done()
+                self._tracer.step_done(self._params())
                 return loss
         for slot in self._memory_slots():
             if slot.master is not slot.param:
@@ -281,7 +285,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._account_state()
         if host_memory_bounded(self._records()):
             trim()  # hand this step's freed staging back: host memory is what offloading bounds
-        self._tracer.step_done()
+        self._tracer.step_done(self._params())
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

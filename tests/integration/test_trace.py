@@ -7,6 +7,7 @@ compute and I/O tracks overlap.  The bytes-per-tier picture is written too.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -74,3 +75,40 @@ def test_trace_is_chrome_json_with_overlapping_compute_and_io(tmp_path):
     assert summary["track_bytes"]["nc"] > 0
     graphs, optimizer = summary["graphs"], summary["optimizer"]
     assert abs(graphs["step_seconds"] + optimizer["step_seconds"] - summary["step_seconds"]) < 1e-6
+
+
+
+def test_each_model_traces_its_own_step_and_a_dropped_one_leaves_nothing_armed(tmp_path):
+    # The tracer is the process's: it counted every optimizer's steps, and a model dropped between its
+    # steps 1 and 2 left its recording open, which swallowed the next model's arm (that trace was never
+    # written; found when the test order changed under parallel test workers).
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    batches = list(synthetic_batches(cfg, 2, 2))
+
+    def model_and_optimizer(**options):
+        model = GPT(cfg)
+        compiled = torch.compile(model, backend="zinf", options={"stage": 3, "lower": "eager", **options})
+        return compiled, zinf.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train_step(compiled, opt, batch):
+        compiled(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    dropped = model_and_optimizer(dump_dir=str(tmp_path / "dropped"))
+    train_step(*dropped, batches[0])
+    assert RUNTIME.tracer.recording  # its step 2 is being traced
+    del dropped
+    gc.collect()
+    traced = model_and_optimizer(dump_dir=str(tmp_path / "traced"))
+    other = model_and_optimizer()
+    train_step(*traced, batches[0])  # compiles and arms: the dropped model's recording is ended unwritten
+    assert RUNTIME.tracer.recording  # the traced model's step 2
+    train_step(*other, batches[0])
+    train_step(*other, batches[1])  # another model's steps do not end it
+    assert RUNTIME.tracer.recording and not (tmp_path / "traced" / "trace.json").exists()
+    train_step(*traced, batches[1])
+    assert not RUNTIME.tracer.recording
+    assert (tmp_path / "traced" / "trace.json").exists()
+    assert not (tmp_path / "dropped" / "trace.json").exists()
