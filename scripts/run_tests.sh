@@ -2,6 +2,8 @@
 # Install what the tests need, then run the default suite (tests marked slow excluded; see pyproject).
 #   --all    the whole suite, slow tests included (what .ci/run runs)
 # Other arguments go to pytest: a tier (tests/unit, tests/integration, tests/multirank), a file, -k ...
+#   (-n 0 runs in this one process: the tests run on TEST_WORKERS parallel workers, default one per
+#   core up to 4; tests/conftest.py keeps each file on one worker and the multirank tier on one)
 # tests/README.md says what each tier holds and which tests run by default.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +18,9 @@ if [ "${1:-}" = "--all" ]; then
     select=(-m "")  # every marker: the default run leaves out -m slow
     export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"  # 8 drawn cases per property, not 3
 fi
-# --durations: the slowest tests. The default run from a fresh clone, cold Inductor cache, 2 cores: 9 min 38 s
-# wall with the install (pytest 8 min 6 s), 14 min 32 s on a slower machine of the same kind (README, "Setup").
-"$VENV_PYTHON" -m pytest -q --durations=15 "${select[@]}" "$@"
+cores="$(nproc 2>/dev/null || echo 1)"
+workers="${TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+parallel=(-n "$workers" --dist loadgroup)
+if [ "$workers" -le 1 ]; then parallel=(-n 0); fi
+# --durations: the slowest tests (under parallel workers a test's time includes its wait for a core).
+"$VENV_PYTHON" -m pytest -q --durations=15 "${parallel[@]}" "${select[@]}" "$@"
