@@ -26,12 +26,26 @@ def pytest_collection_modifyitems(items):
         tier = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else None
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
-        # run_tests.sh runs the suite on parallel workers (pytest-xdist, --dist loadgroup): a file's
-        # tests stay on one worker (its module fixtures are made once), and the multirank tier runs on
-        # one worker, one launch at a time (its ranks would otherwise crowd the cores several times over).
-        item.add_marker(pytest.mark.xdist_group("multirank" if tier == "multirank" else str(item.path)))
-    # The multirank tier first: the longest group, started while the other workers take the files.
+    # The multirank tier first: on parallel workers its tests are one unit of work (below), the longest,
+    # started while the other workers take the files.
     items.sort(key=lambda item: not item.get_closest_marker("multirank"))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """run_tests.sh runs the suite on parallel workers (pytest-xdist, ``--dist loadfile``): a file's tests
+    stay on one worker (its module fixtures are made once), and here the whole multirank tier is one unit,
+    run by one worker, one launch at a time (two launches of ranks at once would crowd the cores several
+    times over).  Other ``--dist`` modes are pytest-xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndTheMultirankTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/multirank" if path.startswith("tests/multirank/") else path
+
+    return FilesAndTheMultirankTier(config, log)
 
 
 @pytest.fixture(autouse=True)
