@@ -58,6 +58,8 @@ CONFIGS = {
     "llama-s3-device-w1": ("llama", 1, {"stage": 3}),
     "gpt-s3-cache-w1": ("gpt", 1, {"stage": 3, **NVME, "host_memory": 600 << 20}),
     "gpt-s3-nvme-ckpt-w2": ("gpt", 2, {"stage": 3, **NVME, "activation_checkpointing": "block"}),
+    # Session 26: tiling's own cost without the disk's (the planner's tiling term).
+    "gpt-s3-tiled-w1": ("gpt", 1, {"stage": 3, "tile_threshold": 1 << 20, "tile_factor": 4}),
 }
 
 

@@ -21,7 +21,8 @@ What it predicts, per rank (the rank holding the most):
 * ``disk_read`` / ``disk_write`` / ``collective``: bytes per step;
 * ``step``: seconds of compute (the matmuls' FLOPs at the probed matmul rate
   and the other ops' bytes at the probed memory rate, a recompute forward
-  added under activation checkpointing), disk and collectives at the probed
+  added under activation checkpointing, and what tiling adds: see
+  :func:`_tiling_bytes`), disk and collectives at the probed
   rates, and ``predicted``: on an accelerator the longest of them, on a CPU
   device their sum (they share its cores), plus the CPU optimizer's pass over
   the state it steps (memory-bound; on a CPU device every tier's);
@@ -195,9 +196,9 @@ def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute:
     return read, write, collective
 
 
-def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[int, int, int]:
-    """(FLOPs of one forward and backward, bytes autograd saves for backward, bytes the other ops move), on
-    fake tensors."""
+def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[int, int, int, dict]:
+    """(FLOPs of one forward and backward, bytes autograd saves for backward, bytes the other ops move, the
+    forward matmuls' operand sizes per weight: see :class:`_OpTraffic`), on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -210,6 +211,7 @@ def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[in
         inputs = [mode.from_tensor(x.to("meta") if x.is_meta else x) if isinstance(x, torch.Tensor) else x
                   for x in example_inputs]
         weights = {p.untyped_storage()._cdata for p in params.values()}
+        names = {p.untyped_storage()._cdata: name for name, p in params.items()}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -217,13 +219,14 @@ def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[in
                 saved[storage._cdata] = storage.nbytes()
             return tensor
 
-        with FlopCounterMode(display=False) as flops, _OpTraffic(set(flops.flop_registry)) as traffic:
+        with FlopCounterMode(display=False) as flops, _OpTraffic(set(flops.flop_registry), names) as traffic:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
             loss = _a_loss(out)
             if loss.requires_grad:
                 loss.backward()
-    return flops.get_total_flops() + traffic.attention_flops, sum(saved.values()), traffic.moved
+    return (flops.get_total_flops() + traffic.attention_flops, sum(saved.values()), traffic.moved,
+            traffic.weight_matmuls)
 
 
 # Ops that allocate or re-label memory without reading or writing it.
@@ -233,14 +236,19 @@ _NOT_MOVING = {"empty", "empty_like", "empty_strided", "_unsafe_view", "detach",
 class _OpTraffic(TorchDispatchMode):
     """What FlopCounterMode leaves out of a forward and backward: the bytes every other op reads and writes
     (elementwise ops, norms, softmax, losses, copies; views move nothing), and the FLOPs of the CPU's
-    attention kernels (torch's counter knows only the accelerators' ones)."""
+    attention kernels (torch's counter knows only the accelerators' ones); and, for the tile pass's cost, the
+    forward matmuls ``x @ W.T`` of each weight (``weights``: storage -> parameter name): ``weight_matmuls``
+    maps the name to the elements of its inputs ``x`` and outputs, summed over its uses."""
 
-    def __init__(self, counted_ops: set) -> None:
+    def __init__(self, counted_ops: set, weights: Mapping[int, str] = {}) -> None:
         super().__init__()
         self.counted_ops, self.moved, self.attention_flops = counted_ops, 0, 0
+        self.weights, self.weight_matmuls = weights, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self._weight_matmul(args[-2:], out)
         if (func.overloadpacket in self.counted_ops or func.is_view or func.namespace != "aten"
                 or func.overloadpacket.__name__ in _NOT_MOVING):
             return out
@@ -256,6 +264,16 @@ class _OpTraffic(TorchDispatchMode):
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         self.moved += sum(t.numel() * t.element_size() for t in tensors)
         return out
+
+    def _weight_matmul(self, operands, out: torch.Tensor) -> None:
+        """Count ``x @ W.T`` (a forward ``linear``): W a weight, its rows the output's columns (the input
+        gradient ``g @ W`` is the other orientation and not counted: the tile pass's cost is put in its terms)."""
+        x, w_t = operands
+        name = self.weights.get(w_t.untyped_storage()._cdata) if w_t.dim() == 2 else None
+        if name is None or out.dim() != 2 or w_t.stride(0) != 1:  # (W.T is W's transposed view)
+            return
+        inputs, outputs = self.weight_matmuls.get(name, (0, 0))
+        self.weight_matmuls[name] = (inputs + x.numel(), outputs + out.numel())
 
 
 def _a_loss(out: Any) -> torch.Tensor:
@@ -281,14 +299,15 @@ class Blueprint:
     flops: int | None = None
     saved: int | None = None
     moved: int | None = None  # bytes the ops other than matmuls read and write in one forward and backward
+    # Per weight used as ``x @ W.T``: the elements of its inputs x and of its outputs (the tile pass's cost).
+    weight_matmuls: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 def blueprint(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None) -> Blueprint:
     """``model``'s :class:`Blueprint` (the fake run happens here, once)."""
-    flops = saved = moved = None
-    if example_inputs is not None:
-        flops, saved, moved = _fake_run(model, example_inputs)
-    return Blueprint(_unique_named_params(model), flops, saved, moved)
+    if example_inputs is None:
+        return Blueprint(_unique_named_params(model))
+    return Blueprint(_unique_named_params(model), *_fake_run(model, example_inputs))
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
@@ -326,6 +345,7 @@ def plan_blueprint(model: Blueprint, options: Mapping | None = None, world_size:
 def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_size: int, rank: int, profile: Any,
                sharing: int) -> Prediction:
     named, saved, flops = model.named, model.saved, model.flops
+    tiling_moved = 0  # bytes the tile pass's rewrite moves beyond the untiled model's ops
     memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
     owned: dict[int, int] = {}
     grad_ram = options.nvme_grad_ram_bytes
@@ -344,6 +364,9 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
             owned[owner] = owned.get(owner, 0) + param.numel()
         planned.append((param, tile_rows, owner, plan_for(param, tile_rows, options, world_size, rank, owner=owner,
                                                            uid=uid)))
+        if tile_rows is not None and len(tile_rows) > 1 and name in model.weight_matmuls:
+            tiling_moved += _tiling_bytes(*model.weight_matmuls[name], len(tile_rows),
+                                          planned[-1][3].compute_dtype.itemsize)
     # The pinned pool, where one is made: sized from every parameter's slice (adoption plans them all).
     pool_bytes = (parameter_pool_bytes(max([p.local_numel * 4 for *_, p in planned] + [0]))
                   if options.pinned_bytes == "auto" else int(options.pinned_bytes))
@@ -388,8 +411,8 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
     if profile is not None and flops is not None:
-        step = _step_seconds(flops, model.moved or 0, recompute, read, write, collective, host_stepped, profile,
-                             sharing, overlapped=accelerated)
+        step = _step_seconds(flops, model.moved or 0, tiling_moved, recompute, read, write, collective, host_stepped,
+                             profile, sharing, overlapped=accelerated)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
     model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
@@ -400,16 +423,31 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
                       early_step_grads=early_step_grads)
 
 
-def _step_seconds(flops: int, moved: int, recompute: bool, read: int, write: int, collective: int,
-                  host_stepped: int, profile: Any, sharing: int, overlapped: bool) -> dict[str, float | None]:
+def _tiling_bytes(inputs: int, outputs: int, tiles: int, itemsize: int) -> int:
+    """Bytes the tile pass's rewrite of ``x @ W.T`` into ``tiles`` row tiles (passes/tile.py) reads and writes
+    beyond the untiled matmuls, for ``inputs`` elements of x and ``outputs`` of the product: forward, the tiles'
+    products are concatenated (each output read and written once more); backward, the output gradient's
+    column slices are copied for the input gradient's and the weight gradient's matmuls (read and written twice),
+    the input gradient is accumulated over the tiles (read and written once per tile after the first) and x is
+    read by each tile's weight-gradient matmul (once per tile after the first).  Measured without this term: the
+    plan_accuracy GPT tiled by 4 stepped 11% slower than untiled on the device (RESULTS.md, session 24)."""
+    return itemsize * (2 * outputs + 2 * outputs + 2 * (tiles - 1) * inputs + (tiles - 1) * inputs)
+
+
+def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, read: int, write: int,
+                  collective: int, host_stepped: int, profile: Any, sharing: int,
+                  overlapped: bool) -> dict[str, float | None]:
     """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring);
     ``sharing`` ranks move their bytes through one disk and one memory bus at once.  ``overlapped`` (an
     accelerator computes): the disk and the collectives hide under the compute, the step is the longest of
     them; on a CPU device the compute, the I/O's own CPU work and the optimizer share the cores, and the
     parts add up (measured: benchmarks/plan_accuracy.py).  Compute: the matmuls' FLOPs at the probed matmul
     rate and the other ops' bytes (``moved``) at the probed memory rate, both one rank's own work at the rates
-    of the threads it has; the recompute under activation checkpointing adds a forward, a third of both."""
-    compute = (flops / profile.matmul_flops + moved / profile.memory_bandwidth) * (4 / 3 if recompute else 1)
+    of the threads it has, with ``tiling_moved`` (the tile pass's own bytes, also shown alone as ``tiling``);
+    the recompute under activation checkpointing adds a forward, a third of both."""
+    recompute_factor = 4 / 3 if recompute else 1
+    tiling = tiling_moved / profile.memory_bandwidth * recompute_factor
+    compute = (flops / profile.matmul_flops + moved / profile.memory_bandwidth) * recompute_factor + tiling
     disk = 0.0
     if read or write:
         disk = sharing * (read / (profile.disk_read or profile.memory_bandwidth) + write / (
@@ -417,7 +455,7 @@ def _step_seconds(flops: int, moved: int, recompute: bool, read: int, write: int
     # (No measured rate, e.g. planning world size 2 from one process: left out of the prediction, shown as -.)
     wire = (collective / profile.collective if profile.collective else None) if collective else 0.0
     optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.memory_bandwidth
-    return {"compute": compute, "disk": disk, "collective": wire, "optimizer": optimizer,
+    return {"compute": compute, "tiling": tiling, "disk": disk, "collective": wire, "optimizer": optimizer,
             "predicted": (max(compute, disk, wire or 0.0) if overlapped else compute + disk + (wire or 0.0))
             + optimizer}
 

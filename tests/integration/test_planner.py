@@ -116,6 +116,30 @@ def test_the_plan_counts_attention_flops_and_the_other_ops_bytes():
     assert step["optimizer"] > 0
 
 
+def test_the_plan_counts_what_tiling_moves():
+    """A tiled weight's matmuls move more bytes than the untiled ones (the products concatenated, the
+    gradient's slices copied, the input gradient summed over tiles): predicted as more compute."""
+    from zinf_compiler.planner import _tiling_bytes, blueprint, plan_blueprint
+
+    with torch.device("meta"):
+        gpt = GPT(CFG)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size))
+    counted = blueprint(gpt, (idx, idx))
+    tokens = idx.numel()
+    # Each block's MLP input layer, as x @ W.T: inputs tokens x n_embd, outputs tokens x 4 n_embd.
+    assert counted.weight_matmuls["blocks.0.mlp.fc.weight"] == (tokens * CFG.n_embd, tokens * 4 * CFG.n_embd)
+    profile = nominal_profile()
+    untiled = plan_blueprint(counted, {"stage": 3}, profile=profile).step["compute"]
+    # The MLP's two weights (4 n_embd x n_embd fp32) are the only ones over the threshold: two tiles each.
+    threshold = 4 * CFG.n_embd * CFG.n_embd * 4 - 1
+    tiled = plan_blueprint(counted, {"stage": 3, "tile_threshold": threshold, "tile_factor": 2},
+                           profile=profile).step["compute"]
+    extra = sum(_tiling_bytes(*counted.weight_matmuls[f"blocks.{layer}.mlp.{name}.weight"], 2, 4)
+                for layer in range(CFG.n_layer) for name in ("fc", "proj"))
+    assert extra > 0
+    assert tiled == pytest.approx(untiled + extra / profile.memory_bandwidth, rel=1e-9)
+
+
 @pytest.mark.slow  # spawns two processes (about 10 s)
 def test_planning_world_size_2_from_one_process_measures_the_collective_rate():
     from zinf_compiler.plan_cli import _profile
