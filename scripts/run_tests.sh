@@ -20,7 +20,7 @@ if [ "${1:-}" = "--all" ]; then
 fi
 cores="$(nproc 2>/dev/null || echo 1)"
 workers="${TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
-parallel=(-n "$workers" --dist loadfile)
+parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 if [ "$workers" -le 1 ]; then parallel=(-n 0); fi
 # --durations: the slowest tests (under parallel workers a test's time includes its wait for a core).
 "$VENV_PYTHON" -m pytest -q --durations=15 "${parallel[@]}" "${select[@]}" "$@"

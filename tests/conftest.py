@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(items):
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
     # The multirank tier first: on parallel workers its tests are one unit of work (below), the longest,
-    # started while the other workers take the files.
+    # started while the other workers take the files (run_tests.sh keeps this order: --no-loadscope-reorder).
     items.sort(key=lambda item: not item.get_closest_marker("multirank"))
 
 
