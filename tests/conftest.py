@@ -7,12 +7,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # One Inductor cache for the whole suite (and across runs): a cold Inductor
 # compile costs 10-30 s per graph on 2 cores.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
-# Inductor compiles its C++ kernels in a pool of worker processes when it has more than one core:
-# every process of the suite that compiles (the test workers, each rank, each helper) would start
-# one, importing torch again (~3 s of CPU each), on cores the test workers already keep busy
-# (run_tests.sh runs them in parallel). The kernels are the same either way; measured on 2 cores,
-# the default run took 6 min 37 s with one thread instead of 7 min 9 s.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor compiles its kernels in a pool of worker processes when it has more than one core: on
+# parallel test workers (run_tests.sh) every process of the suite that compiles (each test worker, each
+# rank, each helper) would start one, importing torch again (~3 s of CPU each), on cores the test
+# workers already keep busy. The kernels are the same either way; measured on 2 cores, the default run
+# took 6 min 37 s with one thread instead of 7 min 9 s. (In one process, e.g. on a GPU, the pool stays.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402  (after the cache dir is set)
 
@@ -31,6 +32,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: not item.get_closest_marker("multirank"))
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist: without it installed, never called)
 def pytest_xdist_make_scheduler(config, log):
     """run_tests.sh runs the suite on parallel workers (pytest-xdist, ``--dist loadfile``): a file's tests
     stay on one worker (its module fixtures are made once), and here the whole multirank tier is one unit,
