@@ -210,8 +210,7 @@ def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[in
         buffers = {name: torch.zeros(b.shape, dtype=b.dtype) for name, b in model.named_buffers()}
         inputs = [mode.from_tensor(x.to("meta") if x.is_meta else x) if isinstance(x, torch.Tensor) else x
                   for x in example_inputs]
-        weights = {p.untyped_storage()._cdata for p in params.values()}
-        names = {p.untyped_storage()._cdata: name for name, p in params.items()}
+        weights = {p.untyped_storage()._cdata: name for name, p in params.items()}  # storage -> parameter name
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -219,7 +218,7 @@ def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[in
                 saved[storage._cdata] = storage.nbytes()
             return tensor
 
-        with FlopCounterMode(display=False) as flops, _OpTraffic(set(flops.flop_registry), names) as traffic:
+        with FlopCounterMode(display=False) as flops, _OpTraffic(set(flops.flop_registry), weights) as traffic:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
             loss = _a_loss(out)
@@ -240,7 +239,7 @@ class _OpTraffic(TorchDispatchMode):
     forward matmuls ``x @ W.T`` of each weight (``weights``: storage -> parameter name): ``weight_matmuls``
     maps the name to the elements of its inputs ``x`` and outputs, summed over its uses."""
 
-    def __init__(self, counted_ops: set, weights: Mapping[int, str] = {}) -> None:
+    def __init__(self, counted_ops: set, weights: Mapping[int, str]) -> None:
         super().__init__()
         self.counted_ops, self.moved, self.attention_flops = counted_ops, 0, 0
         self.weights, self.weight_matmuls = weights, {}
