@@ -26,10 +26,13 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 import zinf_compiler
 import zinf_compiler.passes
 import zinf_compiler.runtime
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "zinf_compiler"
 RUNTIME_PACKAGE = "zinf_compiler.runtime"
 PASSES_PACKAGE = "zinf_compiler.passes"
@@ -202,6 +205,19 @@ def oversized(path: pathlib.Path) -> list[str]:
 def test_no_file_or_class_over_the_size_limits():
     found = [entry for path in module_files(FOLDERS).values() for entry in oversized(path)]
     assert not found, "over the size limits:\n" + "\n".join(found)
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """A sub-package pyproject.toml does not list is left out of a built wheel, and an editable install (what
+    the setup scripts do) hides that: found when ``pip install .`` on the GPU machine lost
+    zinf_compiler/checkpoint/."""
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    for package, folder in setup["package-dir"].items():
+        for init in sorted((REPO / folder).rglob("__init__.py")):
+            parts = init.parent.relative_to(REPO / folder).parts
+            assert ".".join((package, *parts)) in listed, f"{init.parent} is not in pyproject.toml's packages"
 
 
 def _plant(tmp_path: pathlib.Path, files: dict[str, str]) -> dict[str, pathlib.Path]:
