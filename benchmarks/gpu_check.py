@@ -40,7 +40,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name -> zinf options (lower: inductor unless said).
+# name -> zinf options (lower: inductor unless said); {"plan": budgets}: the options zinf.plan chooses under them.
 CONFIGS: dict[str, dict] = {
     "stage0": {"stage": 0},
     "stage1": {"stage": 1},
@@ -58,6 +58,11 @@ CONFIGS: dict[str, dict] = {
     "stage3-act-nvme": {"stage": 3, "offload_activations": "nvme", "activation_offload_min_bytes": 1024,
                         "offload_param": "nvme", "offload_optimizer": "nvme"},
     "stage3-noprefetch": {"stage": 3, "offload_param": "cpu", "prefetch_nc": 0, "prefetch_cg": 0, "prefetch_gg": 0},
+    # The RAM cache over the NVMe tier: about a third of the states stay in RAM, the rest stream from disk.
+    "stage3-nvme-cache": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "ram_cache_bytes": "2MiB"},
+    # Budgets: zinf.plan chooses the options on the GPU (the model needs 16 MiB of device memory as it is).
+    "budget-device": {"plan": {"device_memory": "12MiB"}},
+    "budget-host": {"plan": {"host_memory": "auto"}},
     "inductor": None,  # plain torch.compile: the yardstick
 }
 
@@ -98,6 +103,10 @@ def _train_pair(options: dict | None, cfg, steps: int, batch_size: int, nvme_pat
         opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     else:
         options = dict(options)
+        if "plan" in options:  # the model as it will train (on the GPU) and its first batch
+            first = next(iter(synthetic_batches(cfg, batch_size, 1)))
+            options = zinf.plan(model, tuple(t.to(device) for t in first),
+                                dict(options.pop("plan"), nvme_path=nvme_path)).compile_options()
         if "nvme" in (options.get("offload_param"), options.get("offload_optimizer"),
                       options.get("offload_activations")):
             options["nvme_path"] = nvme_path
@@ -129,6 +138,7 @@ def _train_pair(options: dict | None, cfg, steps: int, batch_size: int, nvme_pat
             "loss_error": max(abs(a - b) / abs(a) for a, b in zip(eager_losses, losses)),
             "param_error": param_errors[worst], "worst_param": worst,
             "all_finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
+            "options": {k: v for k, v in (options or {}).items() if k != "nvme_path"},
             "report": zinf.memory_report(compiled) if options is not None else None}
 
 
@@ -175,6 +185,8 @@ def check(args) -> int:
                   + (f"loss err {result['loss_error']:.2e}  param err {result['param_error']:.2e} "
                      f"({result['worst_param']})  {result['seconds']:.0f} s" if result.get("ok") else
                      result.get("error", "").strip().splitlines()[-1:].__str__()), flush=True)
+            if result.get("ok") and "plan" in (CONFIGS[name] or {}):
+                print(f"{'':22s} chosen: {result['options']}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1, default=str)
@@ -188,6 +200,8 @@ def check(args) -> int:
 def bench(args) -> int:
     from zinf_compiler.gpt import GPT, GPTConfig
 
+    from zinf_compiler.plan_cli import _profile
+
     zinf = _load_zinf()
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, block_size=args.block)
     device = check_device()
@@ -199,12 +213,18 @@ def bench(args) -> int:
                 ("zinf nvme late", {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
                                     "overlap_optimizer": False})]
     with tempfile.TemporaryDirectory(prefix="zinf_gpu_bench_") as nvme_path:
+        # zinf.plan's prediction of each zinf row at this machine's probed rates, beside what it measures.
+        profile = _profile(nvme_path, torch.float32, 1, device)
+        print("rates: " + "; ".join(profile.describe()), flush=True)
         for label, options in variants:
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             torch.manual_seed(0)
             model = GPT(cfg).to(device)
+            idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=device)
+            targets = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=device)
+            predicted = None
             params = sum(p.numel() for p in model.parameters())
             if options is None:
                 compiled, opt = model, torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
@@ -212,10 +232,9 @@ def bench(args) -> int:
                 compiled, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
             else:
                 options = dict(options, nvme_path=nvme_path) if "nvme" in options.values() else options
+                predicted = zinf.plan(model, (idx, targets), options, profile=profile)
                 compiled = torch.compile(model, backend="zinf", options=options)
                 opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
-            idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=device)
-            targets = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=device)
             times = []
             try:
                 _reset_peak(device)
@@ -232,20 +251,26 @@ def bench(args) -> int:
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
                 rows.append({"variant": label, "params": params, "step_s": statistics.median(times),
                              "peak_device_bytes": peak, "loss": loss.item()})
+                if predicted is not None:
+                    rows[-1].update(predicted_step_s=predicted.step["predicted"], predicted_parts=predicted.step,
+                                    predicted_device_bytes=predicted.tier_total("device"))
             except Exception:
                 rows.append({"variant": label, "error": traceback.format_exc()})
             print(json.dumps(rows[-1])[:3000], flush=True)
             del compiled, opt, model
     base = next((row for row in rows if row["variant"] == "eager" and "step_s" in row), None)
     print(f"\nGPT {args.layers}x{args.embd}, batch {args.batch}x{args.block}, median of {args.steps} steps")
-    print(f"{'variant':18s} {'step s':>8s} {'vs eager':>9s} {'peak GiB':>9s} {'vs eager':>9s}")
+    print(f"{'variant':18s} {'step s':>8s} {'vs eager':>9s} {'peak GiB':>9s} {'vs eager':>9s} "
+          f"{'plan: step s':>13s} {'device GiB':>11s}")
     for row in rows:
         if "step_s" not in row:
             print(f"{row['variant']:18s} FAILED")
             continue
         peak_ratio = row["peak_device_bytes"] / base["peak_device_bytes"] if base["peak_device_bytes"] else 0.0
+        planned = (f"{row['predicted_step_s']:13.4f} {row['predicted_device_bytes'] / 2**30:11.3f}"
+                   if "predicted_step_s" in row else "")
         print(f"{row['variant']:18s} {row['step_s']:8.4f} {row['step_s'] / base['step_s']:8.2f}x "
-              f"{row['peak_device_bytes'] / 2**30:9.3f} {peak_ratio:8.2f}x")
+              f"{row['peak_device_bytes'] / 2**30:9.3f} {peak_ratio:8.2f}x {planned}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)

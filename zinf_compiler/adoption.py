@@ -49,13 +49,15 @@ def _store_settings(options: ZinfOptions) -> dict:
 
 
 def plan_for(param: torch.Tensor, tile_rows: tuple[int, ...] | None, options: ZinfOptions, world_size: int,
-             rank: int, owner: int | None = None, uid: int = 0, **tiers: str):
+             rank: int, owner: int | None = None, uid: int = 0, device: torch.device | None = None, **tiers: str):
     """The plan ``param`` (real or on the meta device: only its shape, dtype and device are read) gets under
     ``options`` on ``rank`` of ``world_size`` (see runtime/param_plan.py), as adoption would make it;
+    ``device``: the compute device if not ``param``'s (a planned meta-device parameter's);
     ``tiers``: ``param_tier`` / ``opt_tier`` other than the options' (the RAM cache's choice)."""
     settings = {**_store_settings(options), **tiers}
     settings["param_dtype"] = DTYPES[options.param_dtype]
-    return plan_param(uid=uid, shape=param.shape, dtype=param.dtype, device=param.device, world_size=world_size,
+    device = param.device if device is None else device
+    return plan_param(uid=uid, shape=param.shape, dtype=param.dtype, device=device, world_size=world_size,
                       rank=rank, owner=owner, tile_rows=tile_rows, requires_grad=param.requires_grad,
                       nvme_copies=options.nvme_copies, **settings)
 

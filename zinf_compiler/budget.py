@@ -44,7 +44,8 @@ import torch
 
 from .cost_model import nominal_profile
 from .options import SPECS_BY_NAME, ZinfOptionError, budget_bytes
-from .planner import Blueprint, Prediction, blueprint, plan_blueprint
+from .blueprint import Blueprint, blueprint
+from .planner import Prediction, plan_blueprint
 from .planner import plan as plan_options
 from .runtime.host_memory import available_bytes, ranks_on_node, rss_figures
 
@@ -77,15 +78,18 @@ class BudgetError(ZinfOptionError):
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
          world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None,
-         process_bytes: int | None = None, built_in_memory: bool = True) -> Prediction:
+         process_bytes: int | None = None, built_in_memory: bool = True,
+         device: torch.device | str | None = None) -> Prediction:
     """``zinf.plan``: the planner's prediction for ``options`` (zinf_compiler/planner.py), or, where they name
     a budget (:func:`is_budget`), the prediction of the option set :func:`choose` picks.  ``built_in_memory``:
-    False where the model will be made by ``zinf.materialize`` (never whole in RAM; see ``Prediction.peak_rss``)."""
+    False where the model will be made by ``zinf.materialize`` (never whole in RAM; see ``Prediction.peak_rss``).
+    ``device``: where the model will train (default: its parameters' device; for a meta-device model this
+    machine's GPU if it has one, else the CPU: planner.compute_device)."""
     options = dict(options or {})
     if not is_budget(options):
-        return plan_options(model, example_inputs, options, world_size, profile, ranks_per_node)
+        return plan_options(model, example_inputs, options, world_size, profile, ranks_per_node, device)
     return choose(model, example_inputs, options, world_size, profile, ranks_per_node, process_bytes,
-                  built_in_memory)
+                  built_in_memory, device)
 
 
 def is_budget(options: Mapping) -> bool:
@@ -99,20 +103,21 @@ def is_budget(options: Mapping) -> bool:
 
 def choose(model: torch.nn.Module, example_inputs: Sequence[Any] | None, options: Mapping, world_size: int | None = None,
            profile: Any = None, ranks_per_node: int | None = None, process_bytes: int | None = None,
-           built_in_memory: bool = True) -> Prediction:
+           built_in_memory: bool = True, device: torch.device | str | None = None) -> Prediction:
     """The prediction of the fastest option set that fits ``options``' budgets (see the module docstring), with
     ``budget`` and ``candidates`` set.  ``profile``: the rates the step is predicted at (default: the cost
-    model's nominal ones); ``process_bytes``: this process's RSS before the model (default: its RSS now less the
-    model's allocated parameters and buffers); ``built_in_memory``: see ``Prediction.peak_rss``."""
+    model's nominal ones for the device); ``process_bytes``: this process's RSS before the model (default: its
+    RSS now less the model's allocated parameters and buffers); ``built_in_memory``: see
+    ``Prediction.peak_rss``; ``device``: as for :func:`plan`."""
     if example_inputs is None:
         raise BudgetError("choosing options under a budget needs example_inputs (one batch): the activations and the "
                           "step's time decide it")
     budgets = _budget_bytes(options)
     fixed = {name: value for name, value in options.items() if name not in BUDGETS}
-    model_blueprint = blueprint(model, example_inputs)
+    model_blueprint = blueprint(model, example_inputs, device)
     if process_bytes is None:
         process_bytes = _process_bytes(model)
-    profile = profile or nominal_profile()
+    profile = profile or nominal_profile(model_blueprint.device.type)
     if world_size is None:
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     weighed = []  # (prediction, usable: False where it needs an nvme_path the caller did not give)
@@ -133,8 +138,8 @@ def choose(model: torch.nn.Module, example_inputs: Sequence[Any] | None, options
     best.budget = budgets
     best.candidates = [p for p, _ in weighed]
     log.info("zinf: under %s chose %s (predicted peak RSS %s, step %.3f s)",
-             ", ".join(f"{k}={_gib(v)}" for k, v in budgets.items() if v is not None),
-             _shown(best.compile_options()), _gib(best.predicted_rss), best.step["predicted"])
+             ", ".join(f"{k}={_size(v)}" for k, v in budgets.items() if v is not None),
+             _shown(best.compile_options()), _size(best.predicted_rss), best.step["predicted"])
     return best
 
 
@@ -226,7 +231,7 @@ def _fits(prediction: Prediction, budgets: dict) -> bool:
 
 def _unfit(weighed: list, budgets: dict, fixed: dict, world_size: int) -> str:
     """Why nothing fits: the budgets, and the smallest that would (with its options and disk)."""
-    given = ", ".join(f"{name}={_gib(value)}" for name, value in budgets.items() if value is not None)
+    given = ", ".join(f"{name}={_size(value)}" for name, value in budgets.items() if value is not None)
     under = f" with the options set ({_shown(fixed)})" if fixed else ""
     lines = [f"no option set fits {given} for this model at world size {world_size}{under}."]
     predictions = [p for p, _ in weighed]
@@ -234,23 +239,26 @@ def _unfit(weighed: list, budgets: dict, fixed: dict, world_size: int) -> str:
         on_device = [p for p in predictions if p.tier_total("device") <= budgets["device_memory"]]
         if not on_device:
             least = min(predictions, key=lambda p: p.tier_total("device"))
-            lines.append(f"The least device memory any needs is {_gib(least.tier_total('device'))} "
+            lines.append(f"The least device memory any needs is {_size(least.tier_total('device'))} "
                          f"({_shown(least.compile_options())}): raise device_memory to at least that.")
             return " ".join(lines)
         predictions = on_device
     least = min(predictions, key=lambda p: p.predicted_rss)
     smallest = _smallest_host(least.predicted_rss)
-    disk = f", and {_gib(least.swap_space)} of disk at nvme_path" if least.swap_space else ""
+    disk = f", and {_size(least.swap_space)} of disk at nvme_path" if least.swap_space else ""
     shown = {k: v for k, v in least.compile_options().items() if k != "host_memory"}
-    lines.append(f"The smallest host_memory that fits is {_gib(smallest)} ({smallest:,} bytes: the predicted peak "
+    lines.append(f"The smallest host_memory that fits is {_size(smallest)} ({smallest:,} bytes: the predicted peak "
                  f"RSS, the process's own included, and a {float(RSS_MARGIN):.0%} margin) with {_shown(shown)}{disk}.")
     if "nvme_path" not in fixed and least.swap_space:
         lines.append("Give an nvme_path to let zinf stream state from disk.")
     return " ".join(lines)
 
 
-def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+def _size(nbytes: int | None) -> str:
+    """``nbytes`` for a message: GiB from 1 GiB up, else MiB (a small model's budget reads as more than 0.01 GiB)."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _shown(options: Mapping) -> str:

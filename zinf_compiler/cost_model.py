@@ -8,6 +8,8 @@ probes (about 0.1-0.3 s) and keeps the result for the rest of the process:
   memory-bound ops and, at world size 1, of a gather (a local copy);
 * ``host_to_device``: a pinned host buffer copied to the device (on a CPU
   device: the same memcpy, which is what ``cg`` is there);
+* ``host_memory_bandwidth``: a large copy in host memory (on a CPU device the
+  same as ``memory_bandwidth``), the rate of the CPU optimizer's pass;
 * ``disk_read`` / ``disk_write``: 32 MiB written and read back with
   ``O_DIRECT`` in ``nvme_path`` (only when something is offloaded to NVMe);
 * ``collective``: an all-gather over the default process group (world > 1),
@@ -64,6 +66,8 @@ class MachineProfile:
     matmul_flops: float
     memory_bandwidth: float
     host_to_device: float
+    # A copy in host memory (the CPU optimizer's rate); None: the same as memory_bandwidth (a CPU device).
+    host_memory_bandwidth: float | None = None
     disk_read: float | None = None
     disk_write: float | None = None
     collective: float | None = None
@@ -71,6 +75,11 @@ class MachineProfile:
     free_device_bytes: int | None = None
     probe_seconds: float = 0.0
     source: str = "measured"  # "measured" | "nominal"
+
+    @property
+    def host_bandwidth(self) -> float:
+        """The host memory's copy rate (bytes/s): on a CPU device, the device's."""
+        return self.host_memory_bandwidth or self.memory_bandwidth
 
     def describe(self) -> list[str]:
         """The rates, the free device memory and the probes' time as one readable line (in a list)."""
@@ -81,7 +90,7 @@ class MachineProfile:
         return [
             f"cost model ({self.source}, {self.device}, {self.dtype}, probes took {self.probe_seconds * 1000:.0f} ms): "
             f"matmul {self.matmul_flops / 1e12:.3f} TFLOP/s, memory {rate(self.memory_bandwidth)}, "
-            f"host->device {rate(self.host_to_device)}, disk read {rate(self.disk_read)}, "
+            f"host->device {rate(self.host_to_device)}, host memory {rate(self.host_bandwidth)}, disk read {rate(self.disk_read)}, "
             f"disk write {rate(self.disk_write)}, collective {rate(self.collective)}, free device memory {free}",
         ]
 
@@ -93,7 +102,12 @@ def measured_profiles() -> list["MachineProfile"]:
 
 
 def nominal_profile(device: str = "cpu", dtype: str = "fp32") -> MachineProfile:
-    """Fixed rates (roughly this project's 2-core CPU VM): deterministic, for tests and ``ZINF_COST_PROFILE=nominal``."""
+    """Fixed rates, deterministic, for tests, ``ZINF_COST_PROFILE=nominal`` and a budget chosen without probes:
+    on a CPU roughly this project's 2-core CPU VM, on a GPU roughly the H100 the CUDA path was checked on."""
+    if device == "cuda":
+        return MachineProfile(device=device, dtype=dtype, matmul_flops=40e12, memory_bandwidth=2.5e12,
+                              host_to_device=20e9, host_memory_bandwidth=12e9, disk_read=2e9, disk_write=2e9, collective=100e9,
+                              free_device_bytes=None, source="nominal")
     return MachineProfile(device=device, dtype=dtype, matmul_flops=0.3e12, memory_bandwidth=12e9,
                           host_to_device=12e9, disk_read=2e9, disk_write=2e9, collective=0.5e9,
                           free_device_bytes=None, source="nominal")
@@ -138,6 +152,7 @@ def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | N
         matmul_flops=_probe_matmul(device, dtype),
         memory_bandwidth=_probe_copy(device, device),
         host_to_device=_probe_copy(torch.device("cpu"), device) if device.type == "cuda" else _probe_copy(device, device),
+        host_memory_bandwidth=_probe_copy(torch.device("cpu"), torch.device("cpu")) if device.type == "cuda" else None,
         disk_read=disk_read,
         disk_write=disk_write,
         collective=_probe_collective(device, comm) if comm.world_size > 1 else None,
@@ -239,7 +254,8 @@ def _probe_collective(device: torch.device, comm: "Comm") -> float | None:
     return gathered.numel() * 4 / seconds
 
 
-_RATES = ("matmul_flops", "memory_bandwidth", "host_to_device", "disk_read", "disk_write", "collective")
+_RATES = ("matmul_flops", "memory_bandwidth", "host_to_device", "host_memory_bandwidth", "disk_read", "disk_write",
+          "collective")
 
 
 def _distributed(comm: "Comm"):
@@ -343,6 +359,11 @@ class CostModel:
         else:
             raise ValueError(f"unknown transfer step {step!r}")
         return nbytes / rate
+
+    @property
+    def host_bandwidth(self) -> float:
+        """The host memory's copy rate (bytes/s): on a CPU device, the device's."""
+        return self.host_memory_bandwidth or self.memory_bandwidth
 
     def describe(self) -> list[str]:
         """The profile's line, plus the pinned staging bytes where capped: the schedule table's ``cost_model``."""

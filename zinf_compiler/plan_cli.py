@@ -35,6 +35,7 @@ import tempfile
 import torch
 
 from .budget import choose, describe_choice
+from .blueprint import compute_device, default_device
 from .planner import describe, plan
 
 # The usual option sets, from everything on the device to everything on NVMe.
@@ -70,9 +71,10 @@ def _model_and_batch(args) -> tuple[torch.nn.Module, tuple]:
     return model, (tokens, tokens)
 
 
-def _profile(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1):
-    """This machine's rates (zinf_compiler/cost_model.py's probes), for this process alone; at ``world_size`` > 1
-    on a CPU with the collective rate of that many ranks on this machine (:func:`probe_collective`)."""
+def _profile(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1, device: torch.device | None = None):
+    """This machine's rates on ``device`` (zinf_compiler/cost_model.py's probes; default: the GPU if there is
+    one, else the CPU), for this process alone; at ``world_size`` > 1 on a CPU with the collective rate of that
+    many ranks on this machine (:func:`probe_collective`)."""
     import dataclasses
 
     from .cost_model import profile_machine
@@ -81,7 +83,7 @@ def _profile(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1):
     from .runtime.trace import Tracer
 
     tracer = Tracer()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = default_device() if device is None else device
     profile = profile_machine(device, dtype, nvme_path, Comm(copier=CopyEngine(tracer), tracer=tracer))
     if world_size > 1 and device.type == "cpu" and not torch.distributed.is_initialized():
         profile = dataclasses.replace(profile, collective=probe_collective(world_size))
@@ -111,7 +113,7 @@ def _probe_rank(rank: int, world_size: int, address: str, threads: int, scratch:
     torch.set_num_threads(threads)
     torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
     try:
-        rate = _profile(None, torch.float32).collective
+        rate = _profile(None, torch.float32, device=torch.device("cpu")).collective
         if rank == 0:
             with open(os.path.join(scratch, "rate"), "w") as handle:
                 handle.write(repr(rate))
@@ -139,24 +141,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="store_true", help="measure this machine's rates and predict the step")
     parser.add_argument("--host-memory", help="a host RAM budget (peak RSS per rank): zinf chooses the options")
     parser.add_argument("--device-memory", help="a device memory budget per rank: zinf chooses the options")
+    parser.add_argument("--device", help="where the model will train: cpu or cuda (default: cuda if this machine "
+                                         "has a GPU, else cpu)")
     args = parser.parse_args(argv)
-    if args.probe and not torch.cuda.is_available():  # one rank's share of the cores, as each rank will have
+    on_cpu = (torch.device(args.device) if args.device else default_device()).type == "cpu"
+    if args.probe and not on_cpu and not torch.cuda.is_available():
+        parser.error(f"--probe measures this machine's {args.device}, which it does not have (leave out --probe "
+                     "to plan without a step time, or run on the machine that will train)")
+    if args.probe and on_cpu:  # one rank's share of the cores, as each rank will have
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     if args.host_memory or args.device_memory:
         return _choose(args)
     model, batch = _model_and_batch(args)
+    device = compute_device(model, args.device)
     numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
         nvme_path = args.nvme_path or scratch
-        profile = _profile(nvme_path, torch.float32, args.world_size) if args.probe else None
+        profile = _profile(nvme_path, torch.float32, args.world_size, device) if args.probe else None
         predictions = []
         for options in args.options or CANDIDATES:
             options = dict(options)
             if "nvme" in options.values():
                 options.setdefault("nvme_path", nvme_path)
-            predictions.append(plan(model, batch, options, world_size=args.world_size, profile=profile))
+            predictions.append(plan(model, batch, options, world_size=args.world_size, profile=profile, device=device))
     print(f"{type(model).__name__}: {numel:,} parameters, batch {args.batch} x {args.seq} tokens, "
-          f"world size {args.world_size}; per rank (the one holding the most), MiB:\n")
+          f"world size {args.world_size}, on {device.type}; per rank (the one holding the most), MiB:\n")
     print(describe(predictions).replace(f", nvme_path={nvme_path}", ""))
     if profile is not None:
         print("\nrates: " + "; ".join(profile.describe()))
@@ -166,17 +175,19 @@ def main(argv: list[str] | None = None) -> int:
 def _choose(args) -> int:
     """--host-memory / --device-memory: the options zinf chooses under the budgets, and every set it weighed."""
     model, batch = _model_and_batch(args)
+    device = compute_device(model, args.device)
     numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     fixed = {key: value for options in args.options or [] for key, value in options.items()}
     budgets = {"host_memory": args.host_memory, "device_memory": args.device_memory}
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
         if args.nvme_path:
             fixed.setdefault("nvme_path", args.nvme_path)
-        profile = _profile(args.nvme_path or scratch, torch.float32, args.world_size) if args.probe else None
-        chosen = choose(model, batch, {**fixed, **budgets}, world_size=args.world_size, profile=profile)
+        profile = _profile(args.nvme_path or scratch, torch.float32, args.world_size, device) if args.probe else None
+        chosen = choose(model, batch, {**fixed, **budgets}, world_size=args.world_size, profile=profile,
+                        device=device)
     given = ", ".join(f"{name} {value}" for name, value in budgets.items() if value)
     print(f"{type(model).__name__}: {numel:,} parameters, batch {args.batch} x {args.seq} tokens, world size "
-          f"{args.world_size}; under {given} ({', '.join(f'{k} {v:,} bytes' for k, v in chosen.budget.items() if v)}),"
+          f"{args.world_size}, on {device.type}; under {given} ({', '.join(f'{k} {v:,} bytes' for k, v in chosen.budget.items() if v)}),"
           f" per rank, the process's own RSS included; step at {'probed' if profile else 'nominal'} rates:\n")
     print(describe_choice(chosen))
     print("\nchosen options: " + json.dumps(chosen.compile_options()))

@@ -18,14 +18,15 @@ What it predicts, per rank (the rank holding the most):
   backward holds in RAM until it has stepped them (NVMe optimizer tier,
   gradients not kept in RAM): at most every such gradient at once, a peak;
 * ``swap_space``: the bytes ``nvme_path`` needs (every copy, see ``nvme_copies``);
-* ``disk_read`` / ``disk_write`` / ``collective``: bytes per step;
+* ``disk_read`` / ``disk_write`` / ``collective`` / ``host_device``: bytes per
+  step (the last: copies between host memory and an accelerator);
 * ``step``: seconds of compute (the matmuls' FLOPs at the probed matmul rate
   and the other ops' bytes at the probed memory rate, a recompute forward
   added under activation checkpointing, and what tiling adds: see
-  :func:`_tiling_bytes`), disk and collectives at the probed
-  rates, and ``predicted``: on an accelerator the longest of them, on a CPU
-  device their sum (they share its cores), plus the CPU optimizer's pass over
-  the state it steps (memory-bound; on a CPU device every tier's);
+  :func:`_tiling_bytes`), disk, collectives and host-device copies at the
+  probed rates, and ``predicted``: on an accelerator the longest of them, on a
+  CPU device their sum (they share its cores), plus the CPU optimizer's pass
+  over the state it steps (bound by host memory; on a CPU device every tier's);
 * ``peak_rss(process_bytes)``: the rank's peak RSS, from the process's own
   before the model and two calibrated terms (see :meth:`Prediction.peak_rss`).
 
@@ -42,10 +43,9 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .adoption import plan_for
+from .blueprint import Blueprint, blueprint
 from .options import ZinfOptions, budget_bytes, parse_options
 from .ram_cache import choose_tiers
 from .runtime.param_plan import ParamPlan, choose_owner
@@ -81,6 +81,7 @@ class Prediction:
     disk_read: int
     disk_write: int
     collective: int
+    host_device: int = 0  # bytes copied between host memory and an accelerator per step (0 on a CPU device)
     model_bytes: int = 0  # the whole model's parameters in compute dtype
     built_bytes: int = 0  # the whole model's parameters as built (their own dtypes), before zinf adopts them
     flops: int | None = None
@@ -196,121 +197,9 @@ def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute:
     return read, write, collective
 
 
-def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[int, int, int, dict]:
-    """(FLOPs of one forward and backward, bytes autograd saves for backward, bytes the other ops move, the
-    forward matmuls' operand sizes per weight: see :class:`_OpTraffic`), on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    saved: dict[int, int] = {}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        params = {name: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                  for name, p in model.named_parameters()}
-        buffers = {name: torch.zeros(b.shape, dtype=b.dtype) for name, b in model.named_buffers()}
-        inputs = [mode.from_tensor(x.to("meta") if x.is_meta else x) if isinstance(x, torch.Tensor) else x
-                  for x in example_inputs]
-        weights = {p.untyped_storage()._cdata: name for name, p in params.items()}  # storage -> parameter name
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage._cdata not in weights:
-                saved[storage._cdata] = storage.nbytes()
-            return tensor
-
-        with FlopCounterMode(display=False) as flops, _OpTraffic(set(flops.flop_registry), weights) as traffic:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
-            loss = _a_loss(out)
-            if loss.requires_grad:
-                loss.backward()
-    return (flops.get_total_flops() + traffic.attention_flops, sum(saved.values()), traffic.moved,
-            traffic.weight_matmuls)
-
-
-# Ops that allocate or re-label memory without reading or writing it.
-_NOT_MOVING = {"empty", "empty_like", "empty_strided", "_unsafe_view", "detach", "lift_fresh", "alias"}
-
-
-class _OpTraffic(TorchDispatchMode):
-    """What FlopCounterMode leaves out of a forward and backward: the bytes every other op reads and writes
-    (elementwise ops, norms, softmax, losses, copies; views move nothing), and the FLOPs of the CPU's
-    attention kernels (torch's counter knows only the accelerators' ones); and, for the tile pass's cost, the
-    forward matmuls ``x @ W.T`` of each weight (``weights``: storage -> parameter name): ``weight_matmuls``
-    maps the name to the elements of its inputs ``x`` and outputs, summed over its uses."""
-
-    def __init__(self, counted_ops: set, weights: Mapping[int, str]) -> None:
-        super().__init__()
-        self.counted_ops, self.moved, self.attention_flops = counted_ops, 0, 0
-        self.weights, self.weight_matmuls = weights, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self._weight_matmul(args[-2:], out)
-        if (func.overloadpacket in self.counted_ops or func.is_view or func.namespace != "aten"
-                or func.overloadpacket.__name__ in _NOT_MOVING):
-            return out
-        name = func.overloadpacket.__name__
-        if "scaled_dot_product" in name:
-            query, key = args[0], args[1]
-            if name.endswith("backward"):  # the incoming gradient comes first
-                query, key = args[1], args[2]
-            # Two matmuls forward (QK^T, PV), four backward, of batch x heads x Tq x Tk x head_dim each.
-            matmuls = 4 if name.endswith("backward") else 2
-            self.attention_flops += 2 * matmuls * query.numel() * key.shape[-2]
-            return out
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        self.moved += sum(t.numel() * t.element_size() for t in tensors)
-        return out
-
-    def _weight_matmul(self, operands, out: torch.Tensor) -> None:
-        """Count ``x @ W.T`` (a forward ``linear``): W a weight, its rows the output's columns (the input
-        gradient ``g @ W`` is the other orientation and not counted: the tile pass's cost is put in its terms)."""
-        x, w_t = operands
-        name = self.weights.get(w_t.untyped_storage()._cdata) if w_t.dim() == 2 else None
-        if name is None or out.dim() != 2 or w_t.stride(0) != 1:  # (W.T is W's transposed view)
-            return
-        inputs, outputs = self.weight_matmuls.get(name, (0, 0))
-        self.weight_matmuls[name] = (inputs + x.numel(), outputs + out.numel())
-
-
-def _a_loss(out: Any) -> torch.Tensor:
-    """A scalar to run backward from: the model's loss if it returns one, else the sum of its first output."""
-    if isinstance(out, torch.Tensor):
-        return out.float().sum() if out.dim() else out
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    values = list(out.values()) if isinstance(out, Mapping) else list(out) if isinstance(out, (tuple, list)) else []
-    for value in reversed(values) if isinstance(out, tuple) else values:  # (a tuple's loss comes last)
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.float().sum() if value.dim() else value
-    raise ValueError(f"zinf.plan: the model returned {type(out).__name__}; no tensor to run backward from")
-
-
-@dataclasses.dataclass
-class Blueprint:
-    """What a plan reads of a model, once for any number of option sets: its parameters (name, tensor: shapes
-    and dtypes only) and, with example inputs, the FLOPs of a forward and backward and the bytes autograd saves."""
-
-    named: list[tuple[str, torch.Tensor]]
-    flops: int | None = None
-    saved: int | None = None
-    moved: int | None = None  # bytes the ops other than matmuls read and write in one forward and backward
-    # Per weight used as ``x @ W.T``: the elements of its inputs x and of its outputs (the tile pass's cost).
-    weight_matmuls: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
-
-
-def blueprint(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None) -> Blueprint:
-    """``model``'s :class:`Blueprint` (the fake run happens here, once)."""
-    if example_inputs is None:
-        return Blueprint(_unique_named_params(model))
-    return Blueprint(_unique_named_params(model), *_fake_run(model, example_inputs))
-
-
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
-         world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None) -> Prediction:
+         world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None,
+         device: torch.device | str | None = None) -> Prediction:
     """Predict, for ``options`` at ``world_size`` ranks (default: the process group's, else 1), what the
     rank that holds the most keeps on each tier and moves per step (see the module docstring).
 
@@ -320,10 +209,12 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
     compute (measure it with the threads a rank will have) and as the whole machine's disk and memory
     bandwidth.  ``profile``: a
     :class:`~zinf_compiler.cost_model.MachineProfile` for the step's time (None: no time predicted).
+    ``device``: where the model will train (default: :func:`compute_device`; a meta-device model on a machine
+    with a GPU is planned for the GPU).
     Options naming budgets (host_memory without the tiers, device_memory): ``zinf.plan`` is
     zinf_compiler/budget.py's, which chooses the options and calls :func:`plan_blueprint` for each.
     """
-    return plan_blueprint(blueprint(model, example_inputs), options, world_size, profile, ranks_per_node)
+    return plan_blueprint(blueprint(model, example_inputs, device), options, world_size, profile, ranks_per_node)
 
 
 def plan_blueprint(model: Blueprint, options: Mapping | None = None, world_size: int | None = None,
@@ -362,7 +253,7 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
             owner = choose_owner(owned, world_size)
             owned[owner] = owned.get(owner, 0) + param.numel()
         planned.append((param, tile_rows, owner, plan_for(param, tile_rows, options, world_size, rank, owner=owner,
-                                                           uid=uid)))
+                                                           uid=uid, device=model.device)))
         if tile_rows is not None and len(tile_rows) > 1 and name in model.weight_matmuls:
             tiling_moved += _tiling_bytes(*model.weight_matmuls[name], len(tile_rows),
                                           planned[-1][3].compute_dtype.itemsize)
@@ -377,12 +268,13 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
                              host_memory, 0, 0, lambda: pool_bytes, states_bytes=options.ram_cache_bytes,
                              grad_ram_bytes=grad_ram)
         planned = [(param, tile_rows, owner, plan if (pt, ot) == (plan.param_tier, plan.opt_tier) else
-                    plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=plan.uid, param_tier=pt,
-                             opt_tier=ot))
+                    plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=plan.uid,
+                             device=model.device, param_tier=pt, opt_tier=ot))
                    for (param, tile_rows, owner, plan), (pt, ot) in zip(planned, tiers)]
     plans, read, write, collective, swap_space = [plan for *_, plan in planned], 0, 0, 0, 0
     accelerated = bool(plans) and plans[0].device.type == "cuda"
     host_stepped = 0  # fp32 elements the optimizer steps on the CPU (cpu, nvme and, on a CPU device, all tiers)
+    host_device = 0
     early_step_grads = 0
     for param, _, _, plan in planned:
         grad_in_ram = False
@@ -396,6 +288,8 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
             early_step_grads += plan.local_numel * 4
         moved = _traffic(plan, param, grad_in_ram, recompute)
         read, write, collective = read + moved[0], write + moved[1], collective + moved[2]
+        if accelerated:
+            host_device += _host_device_bytes(plan, param, recompute)
         swap_space += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
         if (param.requires_grad and param.dtype.is_floating_point
                 and (plan.opt_tier != "device" or not accelerated)):
@@ -410,16 +304,33 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
     if profile is not None and flops is not None:
-        step = _step_seconds(flops, model.moved or 0, tiling_moved, recompute, read, write, collective, host_stepped,
-                             profile, sharing, overlapped=accelerated)
+        step = _step_seconds(flops, model.moved or 0, tiling_moved, recompute, read, write, collective, host_device,
+                             host_stepped, profile, sharing, overlapped=accelerated)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
-    shown.setdefault("device", plans[0].device.type if plans and plans[0].device.type != "meta" else "cpu")
+    shown.setdefault("device", model.device.type)
     model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
     built_bytes = sum(param.numel() * param.element_size() for param, *_ in planned)
     return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
                       swap_space=swap_space, disk_read=read, disk_write=write, collective=collective,
-                      model_bytes=model_bytes, built_bytes=built_bytes, flops=flops, step=step,
+                      host_device=host_device, model_bytes=model_bytes, built_bytes=built_bytes, flops=flops, step=step,
                       early_step_grads=early_step_grads)
+
+
+def _host_device_bytes(plan: ParamPlan, param: torch.Tensor, recompute: bool) -> int:
+    """Bytes one parameter copies between host memory and the accelerator per step on this rank: its shard
+    fetched to the device for forward and backward (and the recompute's forward) where it rests on the host
+    (cpu or nvme tier), its reduced gradient sent to the host where the optimizer steps there, and the stepped
+    shard sent back where the parameter rests on the device but its optimizer does not."""
+    trained = param.requires_grad and param.dtype.is_floating_point
+    shard_bytes = (plan.local_numel if plan.stage == 3 else plan.numel) * plan.compute_dtype.itemsize
+    moved = 0
+    if plan.param_tier != "device":
+        moved += shard_bytes * (3 if recompute else 2)
+    if trained and plan.opt_tier != "device":
+        moved += plan.local_numel * plan.compute_dtype.itemsize
+        if plan.param_tier == "device":
+            moved += shard_bytes
+    return moved
 
 
 def _tiling_bytes(inputs: int, outputs: int, tiles: int, itemsize: int) -> int:
@@ -434,7 +345,7 @@ def _tiling_bytes(inputs: int, outputs: int, tiles: int, itemsize: int) -> int:
 
 
 def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, read: int, write: int,
-                  collective: int, host_stepped: int, profile: Any, sharing: int,
+                  collective: int, host_device: int, host_stepped: int, profile: Any, sharing: int,
                   overlapped: bool) -> dict[str, float | None]:
     """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring);
     ``sharing`` ranks move their bytes through one disk and one memory bus at once.  ``overlapped`` (an
@@ -443,7 +354,9 @@ def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, re
     parts add up (measured: benchmarks/plan_accuracy.py).  Compute: the matmuls' FLOPs at the probed matmul
     rate and the other ops' bytes (``moved``) at the probed memory rate, both one rank's own work at the rates
     of the threads it has, with ``tiling_moved`` (the tile pass's own bytes, also shown alone as ``tiling``);
-    the recompute under activation checkpointing adds a forward, a third of both."""
+    the recompute under activation checkpointing adds a forward, a third of both.  On an accelerator the
+    host-device copies (``host_device`` bytes, each rank over its own link) at the probed rate overlap too; the
+    optimizer's pass over the state it steps on the host runs at the host memory's rate."""
     recompute_factor = 4 / 3 if recompute else 1
     tiling = tiling_moved / profile.memory_bandwidth * recompute_factor
     compute = (flops / profile.matmul_flops + moved / profile.memory_bandwidth) * recompute_factor + tiling
@@ -453,19 +366,12 @@ def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, re
             profile.disk_write or profile.memory_bandwidth))
     # (No measured rate, e.g. planning world size 2 from one process: left out of the prediction, shown as -.)
     wire = (collective / profile.collective if profile.collective else None) if collective else 0.0
-    optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.memory_bandwidth
-    return {"compute": compute, "tiling": tiling, "disk": disk, "collective": wire, "optimizer": optimizer,
-            "predicted": (max(compute, disk, wire or 0.0) if overlapped else compute + disk + (wire or 0.0))
+    optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.host_bandwidth
+    transfer = host_device / profile.host_to_device
+    return {"compute": compute, "tiling": tiling, "disk": disk, "collective": wire, "transfer": transfer,
+            "optimizer": optimizer,
+            "predicted": (max(compute, disk, wire or 0.0, transfer) if overlapped else compute + disk + (wire or 0.0))
             + optimizer}
-
-
-def _unique_named_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    seen, named = set(), []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) not in seen:
-            seen.add(id(param))
-            named.append((name, param))
-    return named
 
 
 def describe(predictions: Sequence[Prediction]) -> str:
@@ -474,7 +380,7 @@ def describe(predictions: Sequence[Prediction]) -> str:
         return f"{nbytes / 2**20:,.1f}"
 
     head = ("| options | device | cpu | nvme | pinned | host (zinf) | swap space | disk r/w per step | "
-            "collective per step | step (s): compute / disk / coll. / optim. -> predicted |")
+            "collective per step | step (s): compute / disk / coll. / host-device / optim. -> predicted |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in predictions:
         options = ", ".join(f"{k}={v}" for k, v in p.options.items() if k != "device") or "defaults"
@@ -482,7 +388,7 @@ def describe(predictions: Sequence[Prediction]) -> str:
         if p.step is not None:
             s = p.step
             wire = "-" if s["collective"] is None else f"{s['collective']:.3f}"
-            step = (f"{s['compute']:.3f} / {s['disk']:.3f} / {wire} / {s['optimizer']:.3f} -> "
+            step = (f"{s['compute']:.3f} / {s['disk']:.3f} / {wire} / {s['transfer']:.3f} / {s['optimizer']:.3f} -> "
                     f"**{s['predicted']:.3f}**")
         lines.append(f"| {options} | {mib(p.tier_total('device'))} | {mib(p.tier_total('cpu'))} | "
                      f"{mib(p.tier_total('nvme'))} | {mib(sum(p.pinned.values()))} | {mib(p.host_bytes())} | "

@@ -92,7 +92,7 @@ def test_the_plan_counts_flops_and_saved_activations_and_refuses_nothing_to_back
 
 def test_the_plan_counts_attention_flops_and_the_other_ops_bytes():
     """The CPU's attention kernels are FLOPs torch's counter leaves out; the non-matmul ops move bytes."""
-    from zinf_compiler.planner import blueprint
+    from zinf_compiler.blueprint import blueprint
 
     batch, heads, seq, head_dim = 2, 4, 32, 16
 
@@ -119,7 +119,8 @@ def test_the_plan_counts_attention_flops_and_the_other_ops_bytes():
 def test_the_plan_counts_what_tiling_moves():
     """A tiled weight's matmuls move more bytes than the untiled ones (the products concatenated, the
     gradient's slices copied, the input gradient summed over tiles): predicted as more compute."""
-    from zinf_compiler.planner import _tiling_bytes, blueprint, plan_blueprint
+    from zinf_compiler.blueprint import blueprint
+    from zinf_compiler.planner import _tiling_bytes, plan_blueprint
 
     with torch.device("meta"):
         gpt = GPT(CFG)
@@ -138,6 +139,43 @@ def test_the_plan_counts_what_tiling_moves():
                 for layer in range(CFG.n_layer) for name in ("fc", "proj"))
     assert extra > 0
     assert tiled == pytest.approx(untiled + extra / profile.memory_bandwidth, rel=1e-9)
+
+
+def test_a_plan_for_a_gpu_keeps_the_device_apart_from_the_host_and_counts_the_copies_between():
+    """The device a model trains on changes its plan: on a GPU the device tier is not host memory, the
+    offloaded tiers copy parameters and gradients over the host link, and the CPU optimizer runs at the host
+    memory's rate.  A meta-device model is planned for this machine's GPU if it has one (found on the first
+    GPU run: every plan from a meta-device blueprint described a CPU device), else for the CPU, and the example
+    inputs may sit anywhere (meta, CPU, the GPU)."""
+    from zinf_compiler.blueprint import blueprint
+
+    with torch.device("meta"):
+        gpt = GPT(CFG)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size))
+    options = {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}
+    on_cpu = zinf.plan(gpt, (idx, idx), options, device="cpu", profile=nominal_profile("cpu"))
+    gpu_rates = nominal_profile("cuda")
+    on_gpu = zinf.plan(gpt, (idx, idx), options, device="cuda", profile=gpu_rates)
+    assert (on_cpu.options["device"], on_gpu.options["device"]) == ("cpu", "cuda")
+    assert "device" not in on_gpu.compile_options()
+    assert on_cpu.memory == on_gpu.memory
+    assert on_cpu.host_bytes() == on_gpu.host_bytes() + on_gpu.tier_total("device")
+    # Each parameter (fp32, world 1) fetched for forward and backward, each trained one's gradient sent back.
+    numel = {name: p.numel() for name, p in gpt.named_parameters()}
+    trained = sum(n for name, n in numel.items() if dict(gpt.named_parameters())[name].requires_grad)
+    assert on_cpu.host_device == 0
+    assert on_gpu.host_device == 4 * (2 * sum(numel.values()) + trained)
+    assert on_gpu.step["transfer"] == pytest.approx(on_gpu.host_device / gpu_rates.host_to_device)
+    assert on_gpu.step["optimizer"] == pytest.approx(on_cpu.step["optimizer"] * nominal_profile("cpu").memory_bandwidth
+                                                     / gpu_rates.host_memory_bandwidth)
+    # Where the model will train, by default: its parameters' device, or this machine's GPU for a meta model.
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert zinf.plan(gpt, (idx, idx), options).options["device"] == expected
+    assert zinf.plan(GPT(CFG), (idx, idx), options).options["device"] == "cpu"
+    # The inputs' own device does not matter to the fake run.
+    on_meta = blueprint(gpt, (idx.to("meta"), idx.to("meta")))
+    on_host = blueprint(gpt, (idx, idx))
+    assert (on_meta.flops, on_meta.saved, on_meta.moved) == (on_host.flops, on_host.saved, on_host.moved)
 
 
 @pytest.mark.slow  # spawns two processes (about 10 s)
