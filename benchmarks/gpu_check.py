@@ -17,7 +17,7 @@ the same run.
     python benchmarks/gpu_check.py bench [--layers 8 --embd 1024]
 
 Runs on the CUDA device (scripts/gpu_check.sh runs both on a GPU machine
-without installing zinf); ``ZINF_CHECK_DEVICE=cpu`` runs the same checks on
+installing zinf into a temporary folder); ``GPU_CHECK_DEVICE=cpu`` runs the same checks on
 the CPU, which is how this script itself is tested where there is no GPU.
 First run on one H100 (torch 2.11) in session 18; figures in RESULTS.md.
 """
@@ -70,7 +70,8 @@ ADAMW = dict(lr=1e-2, eps=1e-6)
 
 
 def check_device() -> torch.device:
-    return torch.device(os.environ.get("ZINF_CHECK_DEVICE", "cuda"))
+    # (Not ZINF_*: zinf reads every ZINF_<NAME> variable as an option and warns about the ones it does not know.)
+    return torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda"))
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -299,7 +300,7 @@ def main() -> int:
     bench_parser.add_argument("--json", default="")
     args = parser.parse_args()
     if check_device().type == "cuda" and not torch.cuda.is_available():
-        print("gpu_check needs a CUDA device (ZINF_CHECK_DEVICE=cpu runs it on the CPU)", file=sys.stderr)
+        print("gpu_check needs a CUDA device (GPU_CHECK_DEVICE=cpu runs it on the CPU)", file=sys.stderr)
         return 2
     return check(args) if args.command == "check" else bench(args)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from zinf_compiler import plan_cli
 
 
@@ -27,3 +30,28 @@ def test_the_default_table_covers_the_usual_option_sets(capsys):
                           "--batch", "1", "--world-size", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| stage=")]
     assert len(rows) == len(plan_cli.CANDIDATES)
+
+
+def test_the_device_to_train_on_is_said_or_taken_from_the_machine(capsys):
+    """``--device cuda`` plans a GPU run on any machine (the device tier apart from the host's zinf bytes);
+    ``--probe`` of a device this machine lacks is a usage error, not a traceback."""
+    argv = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab", "64", "--seq", "8", "--batch", "1",
+            "--options", json.dumps({"stage": 3})]
+    assert plan_cli.main(argv + ["--device", "cuda"]) == 0
+    gpu = capsys.readouterr().out
+    assert "world size 1, on cuda;" in gpu
+    assert plan_cli.main(argv + ["--device", "cpu"]) == 0
+    cpu = capsys.readouterr().out
+    assert "world size 1, on cpu;" in cpu
+
+    def host_zinf(out: str) -> float:  # the "host (zinf)" column of the one row
+        row = next(line for line in out.splitlines() if line.startswith("| stage="))
+        return float(row.strip("|").split("|")[5].replace(",", ""))
+
+    assert host_zinf(gpu) == 0.0 < host_zinf(cpu)  # on a CPU device the device tier is host memory
+    assert plan_cli.main(argv) == 0
+    assert ("on cuda;" if torch.cuda.is_available() else "on cpu;") in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            plan_cli.main(argv + ["--device", "cuda", "--probe"])
+        assert "which it does not have" in capsys.readouterr().err
