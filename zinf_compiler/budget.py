@@ -84,7 +84,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
     a budget (:func:`is_budget`), the prediction of the option set :func:`choose` picks.  ``built_in_memory``:
     False where the model will be made by ``zinf.materialize`` (never whole in RAM; see ``Prediction.peak_rss``).
     ``device``: where the model will train (default: its parameters' device; for a meta-device model this
-    machine's GPU if it has one, else the CPU: planner.compute_device)."""
+    machine's GPU if it has one, else the CPU: blueprint.compute_device)."""
     options = dict(options or {})
     if not is_budget(options):
         return plan_options(model, example_inputs, options, world_size, profile, ranks_per_node, device)

@@ -90,8 +90,8 @@ class MachineProfile:
         return [
             f"cost model ({self.source}, {self.device}, {self.dtype}, probes took {self.probe_seconds * 1000:.0f} ms): "
             f"matmul {self.matmul_flops / 1e12:.3f} TFLOP/s, memory {rate(self.memory_bandwidth)}, "
-            f"host->device {rate(self.host_to_device)}, host memory {rate(self.host_bandwidth)}, disk read {rate(self.disk_read)}, "
-            f"disk write {rate(self.disk_write)}, collective {rate(self.collective)}, free device memory {free}",
+            f"host->device {rate(self.host_to_device)}, host memory {rate(self.host_bandwidth)}, "
+            f"disk read {rate(self.disk_read)}, disk write {rate(self.disk_write)}, collective {rate(self.collective)}, free device memory {free}",
         ]
 
 
@@ -106,8 +106,8 @@ def nominal_profile(device: str = "cpu", dtype: str = "fp32") -> MachineProfile:
     on a CPU roughly this project's 2-core CPU VM, on a GPU roughly the H100 the CUDA path was checked on."""
     if device == "cuda":
         return MachineProfile(device=device, dtype=dtype, matmul_flops=40e12, memory_bandwidth=2.5e12,
-                              host_to_device=20e9, host_memory_bandwidth=12e9, disk_read=2e9, disk_write=2e9, collective=100e9,
-                              free_device_bytes=None, source="nominal")
+                              host_to_device=20e9, host_memory_bandwidth=12e9, disk_read=2e9, disk_write=2e9,
+                              collective=100e9, free_device_bytes=None, source="nominal")
     return MachineProfile(device=device, dtype=dtype, matmul_flops=0.3e12, memory_bandwidth=12e9,
                           host_to_device=12e9, disk_read=2e9, disk_write=2e9, collective=0.5e9,
                           free_device_bytes=None, source="nominal")
@@ -359,11 +359,6 @@ class CostModel:
         else:
             raise ValueError(f"unknown transfer step {step!r}")
         return nbytes / rate
-
-    @property
-    def host_bandwidth(self) -> float:
-        """The host memory's copy rate (bytes/s): on a CPU device, the device's."""
-        return self.host_memory_bandwidth or self.memory_bandwidth
 
     def describe(self) -> list[str]:
         """The profile's line, plus the pinned staging bytes where capped: the schedule table's ``cost_model``."""

@@ -209,8 +209,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, op
     compute (measure it with the threads a rank will have) and as the whole machine's disk and memory
     bandwidth.  ``profile``: a
     :class:`~zinf_compiler.cost_model.MachineProfile` for the step's time (None: no time predicted).
-    ``device``: where the model will train (default: :func:`compute_device`; a meta-device model on a machine
-    with a GPU is planned for the GPU).
+    ``device``: where the model will train (default: :func:`~zinf_compiler.blueprint.compute_device`; a
+    meta-device model on a machine with a GPU is planned for the GPU).
     Options naming budgets (host_memory without the tiers, device_memory): ``zinf.plan`` is
     zinf_compiler/budget.py's, which chooses the options and calls :func:`plan_blueprint` for each.
     """
@@ -272,7 +272,7 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
                              device=model.device, param_tier=pt, opt_tier=ot))
                    for (param, tile_rows, owner, plan), (pt, ot) in zip(planned, tiers)]
     plans, read, write, collective, swap_space = [plan for *_, plan in planned], 0, 0, 0, 0
-    accelerated = bool(plans) and plans[0].device.type == "cuda"
+    accelerated = model.device.type == "cuda"
     host_stepped = 0  # fp32 elements the optimizer steps on the CPU (cpu, nvme and, on a CPU device, all tiers)
     host_device = 0
     early_step_grads = 0
