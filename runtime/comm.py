@@ -21,6 +21,11 @@ import torch.distributed as dist
 from .copy_engine import CopyEngine
 from .trace import Tracer, now
 
+# The one-tensor collectives under their newer names where torch has them (2.13 deprecates the old ones with a
+# warning at every call site; 2.11 has only the old ones): the same operations.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _DoneWork:
     """The handle of a collective that finished synchronously (world size 1)."""
@@ -211,7 +216,7 @@ class Comm:
             # gloo: one broadcast from each rank into its row runs ~2-4x faster than gloo's
             # all-gather here (benchmarks/RESULTS.md, "Collectives on gloo"); same bytes received.
             return self._broadcast_slices(output, shard)
-        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True)
+        return _all_gather_single(output, shard, group=self.group, async_op=True)
 
     def _broadcast_slices(self, flat: torch.Tensor, local: torch.Tensor) -> "_AllWork":
         """Rank r's slice of ``flat`` (elements ``r * n : min((r + 1) * n, len(flat))``, ``n = len(local)``)
@@ -243,7 +248,7 @@ class Comm:
             world, own_row = self.world_size, rows[self.rank]
             return self._work(_AllWork(works, then=lambda: torch.div(own_row, world, out=output)), "rs", nbytes,
                               what, timeout)
-        return self._work(dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=self.group,
+        return self._work(_reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, group=self.group,
                                                                   async_op=True), "rs", nbytes,
                           what, timeout)
 
@@ -291,7 +296,7 @@ class Comm:
             return row[None].clone()
         rows = row.new_empty(self.world_size * row.numel())  # (gloo takes a flat output only)
         self._count("agreement", rows.numel() * rows.element_size())  # control traffic, not ZeRO's
-        self._work(dist.all_gather_into_tensor(rows, row, group=self.group, async_op=True), "gg", 0, what,
+        self._work(_all_gather_single(rows, row, group=self.group, async_op=True), "gg", 0, what,
                    timeout).wait()
         return rows.view(self.world_size, row.numel())
 
