@@ -218,7 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
     from zinf_compiler.gpt import GPT
-    from zinf_compiler.plan_cli import _profile
+    from zinf_compiler.plan_cli import probe_rates
 
     with torch.device("meta"):
         numel = sum(p.numel() for p in {id(p): p for p in GPT(config(args)).parameters()}.values())
@@ -229,7 +229,7 @@ def main() -> None:
     port, rows = args.port, []
     for world in [int(w) for w in args.world_sizes.split(",")]:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        profile = _profile(args.nvme_path, torch.float32, world)
+        profile = probe_rates(args.nvme_path, torch.float32, world)
         eager = measure(world, None, args, port := port + 1)
         grid = {}
         for name in args.grid.split(","):

@@ -202,7 +202,7 @@ def check(args) -> int:
 def bench(args) -> int:
     from zinf_compiler.gpt import GPT, GPTConfig
 
-    from zinf_compiler.plan_cli import _profile
+    from zinf_compiler.plan_cli import probe_rates
 
     zinf = _load_zinf()
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, block_size=args.block)
@@ -216,7 +216,7 @@ def bench(args) -> int:
                                     "overlap_optimizer": False})]
     with tempfile.TemporaryDirectory(prefix="zinf_gpu_bench_") as nvme_path:
         # zinf.plan's prediction of each zinf row at this machine's probed rates, beside what it measures.
-        profile = _profile(nvme_path, torch.float32, 1, device)
+        profile = probe_rates(nvme_path, torch.float32, 1, device)
         print("rates: " + "; ".join(profile.describe()), flush=True)
         for label, options in variants:
             torch._dynamo.reset()

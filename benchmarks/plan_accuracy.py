@@ -157,7 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    from zinf_compiler.plan_cli import _profile
+    from zinf_compiler.plan_cli import probe_rates
 
     names = [n for n in CONFIGS if not args.only or n in args.only.split(",")]
     rows = []
@@ -166,7 +166,7 @@ def main() -> None:
         for world in sorted({CONFIGS[name][1] for name in names}):
             # Each rank computes with its share of the cores: probe with as many threads as one rank gets.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-            profiles[world] = _profile(probe_dir, torch.float32, world)
+            profiles[world] = probe_rates(probe_dir, torch.float32, world)
     measured_rounds: dict[str, list[dict]] = {name: [] for name in names}
     number = 0
     for round_number in range(args.rounds):

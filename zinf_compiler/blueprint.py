@@ -35,14 +35,15 @@ def compute_device(model: torch.nn.Module, device: torch.device | str | None = N
     The plan depends on it: on an accelerator the device tier is not host memory and the step overlaps its parts."""
     if device is not None:
         return torch.device(device)
-    params = [p for _, p in _unique_named_params(model)]
-    if params and not params[0].is_meta:
-        return params[0].device
+    first = next(model.parameters(), None)
+    if first is not None and not first.is_meta:
+        return first.device
     return default_device()
 
 
 def default_device() -> torch.device:
-    """This machine's GPU if it has one, else the CPU: where a model planned on the meta device is taken to train."""
+    """This machine's GPU if it has one, else the CPU: where zinf takes a model with no device of its own yet to
+    train (a meta-device blueprint it plans, a model ``zinf.materialize`` builds)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -51,9 +52,10 @@ def blueprint(model: torch.nn.Module, example_inputs: Sequence[Any] | None = Non
     """``model``'s :class:`Blueprint` (the fake run happens here, once), to train on ``device``
     (:func:`compute_device`)."""
     device = compute_device(model, device)
+    named = list(model.named_parameters())  # tied parameters once, under their first name
     if example_inputs is None:
-        return Blueprint(_unique_named_params(model), device=device)
-    return Blueprint(_unique_named_params(model), *_fake_run(model, example_inputs, device), device=device)
+        return Blueprint(named, device=device)
+    return Blueprint(named, *_fake_run(model, example_inputs, device), device=device)
 
 
 def _fake_run(model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -153,12 +155,3 @@ def _a_loss(out: Any) -> torch.Tensor:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.float().sum() if value.dim() else value
     raise ValueError(f"zinf.plan: the model returned {type(out).__name__}; no tensor to run backward from")
-
-
-def _unique_named_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    seen, named = set(), []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) not in seen:
-            seen.add(id(param))
-            named.append((name, param))
-    return named

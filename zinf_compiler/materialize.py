@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .adoption import adopt, model_mesh, plan_offload, planned_as
+from .blueprint import default_device
 from .checkpoint import _aliases
 from .options import parse_options
 from .runtime.aio import human_bytes
@@ -70,11 +71,11 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
     """
     parsed = parse_options(options, comm=store.comm)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = default_device()
     if parsed.stage != 3:
         raise ValueError(f"zinf.materialize shards parameters as it builds them, which needs stage=3 "
                          f"(got stage={parsed.stage}); build the model normally for stages 0-2")
-    named = _named_unique_params(model)
+    named = list(model.named_parameters())  # tied parameters once, under their first name
     meta = [(name, p) for name, p in named if p.is_meta]
     if not meta:
         raise ValueError("zinf.materialize: the model has no meta-device parameters; build it under "
@@ -176,10 +177,6 @@ def _tile_rows(name: str, param: torch.Tensor, parsed, mesh) -> tuple[int, ...] 
     """
     return tile_rows_for(name, param.shape, param.numel() * DTYPES[parsed.param_dtype].itemsize, parsed,
                          mesh.shard.world_size, parsed.device_memory_limit, 0)
-
-
-def _named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    return list(model.named_parameters())  # tied parameters once, under their first name
 
 
 def _stored(files: dict, names_by_id: dict, tensor: torch.Tensor):

@@ -71,7 +71,8 @@ def _model_and_batch(args) -> tuple[torch.nn.Module, tuple]:
     return model, (tokens, tokens)
 
 
-def _profile(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1, device: torch.device | None = None):
+def probe_rates(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1,
+                device: torch.device | None = None):
     """This machine's rates on ``device`` (zinf_compiler/cost_model.py's probes; default: the GPU if there is
     one, else the CPU), for this process alone; at ``world_size`` > 1 on a CPU with the collective rate of that
     many ranks on this machine (:func:`probe_collective`)."""
@@ -113,7 +114,7 @@ def _probe_rank(rank: int, world_size: int, address: str, threads: int, scratch:
     torch.set_num_threads(threads)
     torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
     try:
-        rate = _profile(None, torch.float32, device=torch.device("cpu")).collective
+        rate = probe_rates(None, torch.float32, device=torch.device("cpu")).collective
         if rank == 0:
             with open(os.path.join(scratch, "rate"), "w") as handle:
                 handle.write(repr(rate))
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
         nvme_path = args.nvme_path or scratch
-        profile = _profile(nvme_path, torch.float32, args.world_size, device) if args.probe else None
+        profile = probe_rates(nvme_path, torch.float32, args.world_size, device) if args.probe else None
         predictions = []
         for options in args.options or CANDIDATES:
             options = dict(options)
@@ -182,7 +183,7 @@ def _choose(args) -> int:
     with tempfile.TemporaryDirectory(prefix="zinf-plan-") as scratch:
         if args.nvme_path:
             fixed.setdefault("nvme_path", args.nvme_path)
-        profile = _profile(args.nvme_path or scratch, torch.float32, args.world_size, device) if args.probe else None
+        profile = probe_rates(args.nvme_path or scratch, torch.float32, args.world_size, device) if args.probe else None
         chosen = choose(model, batch, {**fixed, **budgets}, world_size=args.world_size, profile=profile,
                         device=device)
     given = ", ".join(f"{name} {value}" for name, value in budgets.items() if value)

@@ -180,9 +180,9 @@ def test_a_plan_for_a_gpu_keeps_the_device_apart_from_the_host_and_counts_the_co
 
 @pytest.mark.slow  # spawns two processes (about 10 s)
 def test_planning_world_size_2_from_one_process_measures_the_collective_rate():
-    from zinf_compiler.plan_cli import _profile
+    from zinf_compiler.plan_cli import probe_rates
 
-    profile = _profile(None, torch.float32, world_size=2)
+    profile = probe_rates(None, torch.float32, world_size=2)
     assert profile.collective is not None and 1e6 < profile.collective < 1e12
 
 
