@@ -322,7 +322,7 @@ def _host_device_bytes(plan: ParamPlan, param: torch.Tensor, recompute: bool) ->
     (cpu or nvme tier), its reduced gradient sent to the host where the optimizer steps there, and the stepped
     shard sent back where the parameter rests on the device but its optimizer does not."""
     trained = param.requires_grad and param.dtype.is_floating_point
-    shard_bytes = (plan.local_numel if plan.stage == 3 else plan.numel) * plan.compute_dtype.itemsize
+    shard_bytes = plan.local_numel * plan.compute_dtype.itemsize  # (at stages 1-2 the stepped slice, then gathered)
     moved = 0
     if plan.param_tier != "device":
         moved += shard_bytes * (3 if recompute else 2)

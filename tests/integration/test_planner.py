@@ -166,6 +166,10 @@ def test_a_plan_for_a_gpu_keeps_the_device_apart_from_the_host_and_counts_the_co
     assert on_cpu.host_device == 0
     assert on_gpu.host_device == 4 * (2 * sum(numel.values()) + trained)
     assert on_gpu.step["transfer"] == pytest.approx(on_gpu.host_device / gpu_rates.host_to_device)
+    # Stage 2, optimizer on the cpu tier, 2 ranks: each rank sends its slice of the gradient to the host and
+    # its stepped slice back (the gathers run on the device): twice its half of the model.
+    stage2 = zinf.plan(gpt, (idx, idx), {"stage": 2, "offload_optimizer": "cpu"}, world_size=2, device="cuda")
+    assert stage2.host_device == sum(2 * 4 * -(-n // 2) for n in numel.values())
     assert on_gpu.step["optimizer"] == pytest.approx(on_cpu.step["optimizer"] * nominal_profile("cpu").memory_bandwidth
                                                      / gpu_rates.host_memory_bandwidth)
     # Where the model will train, by default: its parameters' device, or this machine's GPU for a meta model.
