@@ -217,6 +217,10 @@ class AioRequest:
         """True when every piece has finished (successfully or not); ``wait()`` then returns or raises at once."""
         return self._event.is_set()
 
+    def wait_done(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds; whether every piece has finished (never raises: see :meth:`wait`)."""
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the transfer is complete; raise its :class:`AioError` if it failed."""
         if not self._event.is_set():

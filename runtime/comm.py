@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ class _DoneWork:
     """The handle of a collective that finished synchronously (world size 1)."""
 
     def wait(self) -> bool:
+        return True
+
+    def wait_done(self, timeout: float) -> bool:
+        """Done already."""
         return True
 
 
@@ -71,9 +76,11 @@ class _TracedWork:
     """
 
     def __init__(self, tracer: Tracer, work, track: str, nbytes: int, what: str = "", timeout: float | None = None,
-                 world_size: int = 0):
+                 world_size: int = 0, waits_on_host: bool = True):
         self._tracer = tracer
         self._work = work
+        self._waits_on_host = waits_on_host  # wait() blocks this thread (gloo), not a device stream (NCCL)
+        self._done: threading.Event | None = None  # set when the collective completes (see wait_done)
         self._world_size = world_size
         self._track = track
         self._what = what or track
@@ -85,6 +92,22 @@ class _TracedWork:
                     lambda _: tracer.interval(track, track, started, now(), nbytes))
             except (AttributeError, RuntimeError):  # a backend without futures: no interval
                 pass
+
+    def wait_done(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for the collective; whether it completed.  Never raises: ``wait()``
+        still follows (it raises the collective's error).  True at once where ``wait()`` does not block this
+        thread (NCCL orders a stream) or the backend gives no future: nothing to fill the wait with."""
+        if not self._waits_on_host:
+            return True
+        if self._done is None:
+            done = threading.Event()
+            try:
+                self._work.get_future().add_done_callback(lambda _: done.set())
+            except (AttributeError, RuntimeError):
+                self._waits_on_host = False
+                return True
+            self._done = done
+        return self._done.wait(timeout)
 
     def wait(self) -> bool:
         with self._tracer.stall(f"wait {self._track}"):
@@ -157,7 +180,7 @@ class Comm:
         # NCCL waits are stream orderings with the process group's own watchdog timeout; a
         # host-side timeout would block the host, so only gloo waits are bounded here.
         if dist.get_backend(self.group) == "nccl":
-            return _TracedWork(self.tracer, work, track, nbytes, what, None, self.world_size)
+            return _TracedWork(self.tracer, work, track, nbytes, what, None, self.world_size, waits_on_host=False)
         return _TracedWork(self.tracer, work, track, nbytes, what, self.timeout if timeout is None else timeout,
                            self.world_size)
 

@@ -28,7 +28,8 @@ step that clipped, nothing is stepped early: clipping tends to repeat, and a
 dropped step costs its disk traffic twice.
 
 No thread: the pipeline moves on at the store's transfer points during
-backward (:meth:`EarlyAdam.advance`), which never waits.  It starts reads
+backward (:meth:`EarlyAdam.advance`), which never waits, and while the graph
+waits on a transfer (``ParamStore._wait_working``).  It starts reads
 while its own pinned pool has room and computes a group once its reads are
 done.  ``opt.step()`` finishes what is left (:meth:`EarlyAdam.finish`).  Its
 pool is its own quota of the process's pinned memory (``"early_optimizer"``,
@@ -201,11 +202,14 @@ class EarlyAdam:
                 "early_optimizer", early_step_pool_bytes(record.plan for record in self.records))
         return self.pool
 
-    def advance(self) -> None:
-        """Move every job on as far as it goes without waiting."""
+    def advance(self) -> bool:
+        """Move every job on as far as it goes without waiting; True while any has transfers in flight (what
+        lands next lets it move on again)."""
         self._pass(list(self.jobs.values()))
         self._pass(self.dropped)
         self.dropped = [job for job in self.dropped if not job.settled]
+        return any(job.reading or job.writing or job.param_requests
+                   for job in list(self.jobs.values()) + self.dropped)
 
     def _pass(self, jobs: list[_Job]) -> bool:
         """One non-blocking pass over ``jobs`` in order; True when something moved.

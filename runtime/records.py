@@ -19,6 +19,10 @@ from .units import ParamLayout
 # A transfer waiting this long for pinned memory means the pool is too small
 # for what is in flight: an error naming pinned_bytes beats a hang.
 POOL_WAIT_SECONDS = 120.0
+# While the main thread waits on a transfer with background work in flight (ParamStore._wait_working): how long
+# each wait for the transfer lasts before the background work is looked at again.  A read that lands is stepped
+# at most this late; the wait ends when its transfer does, or after the background pass under way then.
+BACKGROUND_POLL_SECONDS = 0.0005
 # Gradient sub-groups being written to swap at once (nvme optimizer tier):
 # enough to keep the disk busy while backward goes on, few enough that the
 # pinned pool's optimizer share covers them.
@@ -144,6 +148,10 @@ class DoneWork:
     def wait(self) -> None:
         """Nothing to wait for."""
         pass
+
+    def wait_done(self, timeout: float) -> bool:
+        """Done already."""
+        return True
 
 
 DONE = DoneWork()

@@ -77,6 +77,7 @@ class FetchSteps:
         self._advance_background()
         transfer = self._transfers.move(unit, "nc_wait", State.READING, State.READ)
         for request in transfer.pending:
+            self._wait_working(request)
             request.wait()  # raises AioError for a failed read; abandon_transfers gives the buffer back
         transfer.pending = []
         if in_graph and transfer.staging is not None:
@@ -174,6 +175,7 @@ class FetchSteps:
         """Finish the oldest gather of ``unit``: each piece's full value, in its parameter's dtype."""
         transfer = self._transfers.move(unit, "gather_wait", State.GATHERING, State.DONE)
         matrix = transfer.value
+        self._wait_working(transfer.work)
         transfer.work.wait()
         if matrix is None:  # gather_start found the unit held: the graph gets copies it may overwrite
             return [value.clone() for value in self._held_values(unit)]

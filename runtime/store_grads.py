@@ -91,6 +91,7 @@ class GradientSteps:
         """
         transfer = self._transfers.move(unit, "reduce_grad_wait", State.REDUCING, State.DONE)
         out = transfer.value
+        self._wait_working(transfer.work)
         transfer.work.wait()
         self._advance_background()
         if out is None:

@@ -232,3 +232,57 @@ def test_overlap_optimizer_auto_steps_in_backward_on_a_cpu_device(tmp_path, step
         engine.close()
     if store.pinned is not None:
         store.pinned.close()
+
+
+class _NeverDone:
+    """A transfer handle the graph waits on (a gloo collective, an NVMe read) that does not finish while
+    looked at: it records each wait's timeout."""
+
+    def __init__(self, done_after: int | None = None):
+        self.timeouts: list[float] = []
+        self.done_after = done_after  # polls before it reports done (None: never)
+
+    def wait_done(self, timeout: float) -> bool:
+        self.timeouts.append(timeout)
+        time.sleep(timeout)
+        return self.done_after is not None and len(self.timeouts) >= self.done_after
+
+
+def test_a_wait_on_a_transfer_carries_the_early_steps_on_and_ends_when_they_rest(sides):
+    """While the graph waits (store._wait_working), the early steps whose reads land are stepped and
+    written, not left for the next transfer point: a wait longer than their I/O leaves none in flight.
+    The result is bit-equal to the step after backward all the same."""
+    from zinf_compiler.runtime.records import BACKGROUND_POLL_SECONDS
+
+    late, early = sides()
+    for step in range(2):
+        grads = _grads(step)
+        for side in (late, early):
+            side.backward(grads)
+        jobs = list(early.adam.early.jobs.values())
+        assert jobs and not all(job.complete for job in jobs), "the test needs early steps still in flight"
+        handle = _NeverDone()
+        early.store._wait_working(handle)  # returns once the early steps have nothing in flight
+        assert handle.timeouts and set(handle.timeouts) == {BACKGROUND_POLL_SECONDS}
+        assert all(job.complete for job in jobs), [(job.record.name, len(job.pending)) for job in jobs]
+        idle = _NeverDone()
+        early.store._wait_working(idle)  # nothing in flight: the wait is the caller's own at once
+        assert idle.timeouts == []
+        late.step()
+        assert early.step() == {r.uid for r in early.records.values()}
+        _assert_bit_equal(late, early)
+        for side in (late, early):
+            side.zero_grad()
+
+
+def test_a_transfer_that_finishes_ends_the_wait_with_early_steps_still_in_flight(sides):
+    late, early = sides()
+    early.backward(_grads(0))
+    assert any(job.reading or job.writing for job in early.adam.early.jobs.values())
+    handle = _NeverDone(done_after=1)
+    early.store._wait_working(handle)
+    assert len(handle.timeouts) == 1  # the graph goes on as soon as its own transfer is done
+    late.backward(_grads(0))
+    late.step()
+    early.step()  # opt.step() finishes what is in flight
+    _assert_bit_equal(late, early)
