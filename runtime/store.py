@@ -36,9 +36,10 @@ from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
 from .model_group import ModelGroup
 from .param_plan import OPTIMIZER_STATES, choose_owner, plan_param
-from .records import (BACKGROUND_POLL_SECONDS, DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, local_slice,
-                      move_to_empty_storage, nbytes_of, padded_view, tier_memory)
+from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, local_slice, move_to_empty_storage, nbytes_of,
+                      padded_view, tier_memory)
 from .store_accounting import StoreAccounting
+from .store_background import BackgroundSteps
 from .store_fetch import FetchSteps
 from .store_grads import GradientSteps
 from .store_offload import OffloadResources
@@ -63,7 +64,7 @@ class _ParamRef(weakref.ref):
         self.uid = uid
 
 
-class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
+class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, BackgroundSteps):
     """Every adopted parameter of the process: its record, and the resources its transfers use.
 
     Split by concern: this file holds adoption, lookup and forgetting;
@@ -73,7 +74,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     parameter fetches (nc, cg, gather), :class:`GradientSteps` the gradients'
     reduction and accumulation, :class:`PublishSteps` what follows an
     optimizer step, :class:`StoreAccounting` the bytes held and the models'
-    ledgers.  They share the state made here.
+    ledgers, :class:`BackgroundSteps` the work moved on at transfer points
+    and inside waits.  They share the state made here.
     """
 
     def __init__(self, comm: Comm, folder_watch: FolderWatch | None = None, pinned_memory: PinnedMemory | None = None):
@@ -155,36 +157,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting):
     def count_transient(self, tier: str, delta: int, what: str, ledger: "Ledger") -> None:
         """Count (or, negative, stop counting) bytes held for a while on ``tier`` for ``ledger``'s model."""
         self._add_transient(tier, delta, what=what if delta > 0 else None, ledger=ledger)
-
-    def add_background_work(self, work) -> None:
-        """``work.advance()`` (which must never wait) runs at each transfer point of every graph; held weakly."""
-        self._background.add(work)
-
-    def _advance_background(self) -> bool:
-        """Move every background work on without waiting; True while any has transfers in flight."""
-        in_flight = False
-        for work in list(self._background):
-            in_flight |= bool(work.advance())
-        return in_flight
-
-    def _wait_working(self, handle) -> None:
-        """Before waiting on ``handle`` (a collective's or an NVMe read's): advance the background work
-        until ``handle`` is done or that work has nothing in flight; the caller's own wait follows.
-
-        Why: a rank of a CPU device waits for gloo with its core idle, and the
-        early optimizer step moves on only at transfer points: reads it had
-        started landed during the wait and their Adam and writes waited for the
-        next point.  Traced at world size 2, the early step's I/O was in flight
-        a third of backward and 0.5 s alone in ``opt.step()``.  ``wait_done``
-        returns at once where a wait does not block this thread (NCCL).
-        """
-        wait_done = getattr(handle, "wait_done", None)  # (a copy engine's handle has none: never long)
-        if wait_done is None or not self._background:
-            return
-        while self._advance_background():
-            with self.comm.tracer.stall("wait (early optimizer steps in flight)"):
-                if wait_done(BACKGROUND_POLL_SECONDS):
-                    return
 
     def prefetch_pinned_bytes(self) -> int | None:
         """Pinned bytes the graph's nc reads may hold at once (see :meth:`OffloadResources.prefetch_pinned_bytes`)."""

@@ -286,3 +286,22 @@ def test_a_transfer_that_finishes_ends_the_wait_with_early_steps_still_in_flight
     late.step()
     early.step()  # opt.step() finishes what is in flight
     _assert_bit_equal(late, early)
+
+
+def test_background_work_that_never_rests_gives_the_wait_back_after_the_pool_wait(monkeypatch):
+    """A transfer of the background work that never ends (a hung disk) must not hide the graph's own
+    transfer's timeout: the filling stops after POOL_WAIT_SECONDS and the caller's wait follows."""
+    from zinf_compiler.runtime import store_background
+
+    class Stuck:
+        def advance(self) -> bool:
+            return True  # always something in flight
+
+    monkeypatch.setattr(store_background, "POOL_WAIT_SECONDS", 0.05)
+    store = ParamStore(RUNTIME.comm)
+    stuck = Stuck()
+    store.add_background_work(stuck)
+    handle = _NeverDone()
+    started = time.monotonic()
+    store._wait_working(handle)
+    assert handle.timeouts and time.monotonic() - started < 5
