@@ -2,10 +2,12 @@
 flight through B's graphs (and may move on inside B's waits on gloo and on the disk); both models equal eager
 within the suite's tolerance and the run that steps after backward byte for byte."""
 
+import pytest
 from multirank import run_ranks
 from usage import PARAM_RTOL
 
 
+@pytest.mark.slow  # the default run has the early steps at world 2 in test_zero.py's EARLY_CONFIGS (suite time)
 def test_two_nvme_models_trained_interleaved_equal_eager_and_the_late_step(tmp_path):
     for result in run_ranks(2, "interleaved_nvme_worker", {"root": str(tmp_path)}, timeout=300):
         early, late = result["early"], result["late"]
