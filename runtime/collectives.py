@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm, MeshComm
-from .records import DONE
+from .comm import DONE, Comm, MeshComm
 from .units import Segment, Unit
 
 

@@ -28,15 +28,20 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _DoneWork:
-    """The handle of a collective that finished synchronously (world size 1)."""
+class DoneWork:
+    """The handle of a transfer step with nothing in flight (a collective that finished synchronously at world
+    size 1, a reduce with nothing to average): waiting returns at once."""
 
     def wait(self) -> bool:
+        """Nothing to wait for."""
         return True
 
     def wait_done(self, timeout: float) -> bool:
         """Done already."""
         return True
+
+
+DONE = DoneWork()
 
 
 class _AllWork:
@@ -228,7 +233,7 @@ class Comm:
         nbytes = self._count("all_gather", output)
         if self.world_size == 1:
             if output.data_ptr() == shard.data_ptr():
-                return _DoneWork()  # already in place
+                return DONE  # already in place
             return self.copier.copy(output, shard, "gg", "gather (local copy)", busy_cores_inline=True)
         return self._work(self.start_all_gather_uncounted(output, shard), "gg", nbytes, what, timeout)
 
@@ -287,7 +292,7 @@ class Comm:
         nbytes = self._count("all_gather", flat)
         if self.world_size == 1:
             flat.copy_(local[: flat.numel()])
-            return _DoneWork()
+            return DONE
         return self._work(self._broadcast_slices(flat, local), "gg", nbytes, what, timeout)
 
     def all_reduce_avg(self, tensor: torch.Tensor, what: str = "all_reduce of a gradient (stage 0)",
@@ -296,7 +301,7 @@ class Comm:
         nbytes = 2 * tensor.numel() * tensor.element_size()
         self._count("all_reduce", nbytes)
         if self.world_size == 1:
-            return _DoneWork()
+            return DONE
         return self._work(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=True), "rs",
                           nbytes, what, timeout)
 
@@ -340,7 +345,7 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         self._count("broadcast", nbytes)
         if self.world_size == 1:
-            return _DoneWork()
+            return DONE
         return self._work(dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True), "gg", nbytes,
                           what, timeout)
 
@@ -372,7 +377,7 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         self._count("reduce", nbytes)
         if self.world_size == 1:
-            return _DoneWork()
+            return DONE
         return self._work(dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group,
                                       async_op=True), "rs", nbytes, what, timeout)
 

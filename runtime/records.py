@@ -142,19 +142,6 @@ def finish_oldest_write(writes: list) -> None:
         raise failure
 
 
-class DoneWork:
-    """A transfer step with nothing in flight (world size 1): waiting returns at once."""
-
-    def wait(self) -> None:
-        """Nothing to wait for."""
-        pass
-
-    def wait_done(self, timeout: float) -> bool:
-        """Done already."""
-        return True
-
-
-DONE = DoneWork()
 
 
 def finish_copies(works: list, staging) -> None:

@@ -12,11 +12,11 @@ import torch
 
 from .aio import AioError
 from .collectives import start_gather
-from .comm import Comm
+from .comm import DONE, Comm
 from .ledger import ZinfStoreError
 from .transfers import Transfer, TransferState as State
 from .tiers import fetch_steps
-from .records import DONE, POOL_WAIT_SECONDS, ParamRecord, finish_copies, grad_listener_of, nbytes_of, padded_view
+from .records import POOL_WAIT_SECONDS, ParamRecord, finish_copies, grad_listener_of, nbytes_of, padded_view
 from .units import Unit, unit_of
 
 

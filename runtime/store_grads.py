@@ -10,10 +10,11 @@ import torch
 from .aio import AioError
 from .buckets import bucket_runs
 from .collectives import finish_reduce, padded_rows, start_reduce
+from .comm import DONE
 from .grad_hooks import run_grad_hooks
 from .ledger import ZinfStoreError
 from .transfers import TransferState as State
-from .records import (DONE, GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
+from .records import (GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
                       tier_memory)
 from .units import Unit
 

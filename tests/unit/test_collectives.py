@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from zinf_compiler.runtime.collectives import finish_reduce, padded_rows, start_gather, start_reduce
-from zinf_compiler.runtime.records import DONE
+from zinf_compiler.runtime.comm import DONE
 from zinf_compiler.runtime.param_plan import plan_param
 from zinf_compiler.runtime.units import ParamLayout, unit_of
 

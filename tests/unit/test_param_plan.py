@@ -23,7 +23,8 @@ from hypothesis import given, settings, strategies as st
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.buckets import bucket_runs
 from zinf_compiler.runtime.param_plan import OPTIMIZER_STATES, ParamPlan, plan_buckets, plan_param
-from zinf_compiler.runtime.records import DONE, DTYPES
+from zinf_compiler.runtime.comm import DONE
+from zinf_compiler.runtime.records import DTYPES
 from zinf_compiler.runtime.store import ParamStore
 from zinf_compiler.runtime.swap_layout import ALIGNMENT
 from zinf_compiler.runtime.units import ParamLayout
