@@ -32,6 +32,15 @@ def rss() -> int:
         return int(statm.read().split()[1]) * PAGE
 
 
+def anonymous_rss() -> int:
+    """The resident set less its file-backed and shared pages: the memory tensors live in.  Code pages of
+    the shared libraries count in rss() when first touched, or touched again after the kernel reclaimed
+    them on a busy machine; they are no working memory of zinf's."""
+    with open("/proc/self/statm") as statm:
+        fields = statm.read().split()
+    return (int(fields[1]) - int(fields[2])) * PAGE
+
+
 def tier_total(report: dict, tier: str) -> int:
     return sum(report[tier].values())
 

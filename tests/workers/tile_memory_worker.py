@@ -2,8 +2,9 @@
 
 After a warm-up step (optimizer state and gradient shards exist), one
 forward and backward run with every change of the runtime's accounting
-sampled together with the resident set (/proc/self/statm), right where the
-runtime books it.  Prints one JSON object: the peak gathered and in-flight
+sampled together with the anonymous resident set (/proc/self/statm's
+resident less shared: no library code pages), right where the runtime books
+it.  Prints one JSON object: the peak gathered and in-flight
 device bytes (``peak_transient_device``), the growth of the accounted bytes
 and of the resident set over the baseline, the bytes read from NVMe (with a
 third argument, the parameters live on NVMe under that folder) and the tile
@@ -24,7 +25,7 @@ import torch.nn as nn
 import zinf_compiler as zinf
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.api import RUNTIME
-from accounting_worker import rss
+from accounting_worker import anonymous_rss, rss
 
 
 def accounted() -> int:
@@ -55,14 +56,14 @@ def main() -> None:
     # that exist already, so what grows is the working memory alone.
     trim()
     RUNTIME.store.reset_peak()
-    baseline_rss, baseline_accounted = rss(), accounted()
+    baseline_rss, baseline_resident, baseline_accounted = anonymous_rss(), rss(), accounted()
     samples = []
     book_transient, book_resting = RUNTIME.store._add_transient, RUNTIME.store._add_resting
 
     def sampled(book):
         def wrapper(*args, **kwargs):
             result = book(*args, **kwargs)
-            samples.append((accounted(), rss()))
+            samples.append((accounted(), anonymous_rss(), rss()))
             return result
 
         return wrapper
@@ -75,8 +76,10 @@ def main() -> None:
         RUNTIME.store._add_transient, RUNTIME.store._add_resting = book_transient, book_resting
     print(json.dumps({
         "peak_transient_device": RUNTIME.store.peak_transient["device"],
-        "accounted_growth": max(a for a, _ in samples) - baseline_accounted,
-        "rss_growth": max(r for _, r in samples) - baseline_rss,
+        "accounted_growth": max(sample[0] for sample in samples) - baseline_accounted,
+        "rss_growth": max(sample[1] for sample in samples) - baseline_rss,
+        # Told apart for the record: the whole resident set's growth, library code pages included.
+        "resident_growth": max(sample[2] for sample in samples) - baseline_resident,
         "weight_bytes": weight_bytes,
         "bytes_read": sum(engine.bytes_read for engine in RUNTIME.store.engines()) - read_before,
         "tile_rows": {name: RUNTIME.store.lookup(p).tile_rows for name, p in model.named_parameters()},
