@@ -22,7 +22,7 @@ class BackgroundSteps:
         return in_flight
 
     def _wait_working(self, handle) -> None:
-        """Before waiting on ``handle`` (a collective's or an NVMe read's): advance the background work
+        """Before waiting on ``handle`` (a collective's, comm.py, or an NVMe read's, aio_requests.py): advance the background work
         until ``handle`` is done or that work has nothing in flight; the caller's own wait follows.
 
         Why: a rank of a CPU device waits for gloo with its core idle, and the
@@ -34,11 +34,10 @@ class BackgroundSteps:
         ``POOL_WAIT_SECONDS`` the caller's own wait takes over, whatever is in
         flight: a transfer that never ends still meets its timeout and error.
         """
-        wait_done = getattr(handle, "wait_done", None)  # (a copy engine's handle has none: never long)
-        if wait_done is None or not self._background:
+        if not self._background:
             return
         deadline = now() + POOL_WAIT_SECONDS
         while self._advance_background() and now() < deadline:
             with self.comm.tracer.stall("wait (early optimizer steps in flight)"):
-                if wait_done(BACKGROUND_POLL_SECONDS):
+                if handle.wait_done(BACKGROUND_POLL_SECONDS):
                     return
