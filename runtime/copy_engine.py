@@ -71,6 +71,15 @@ class CopyWork:
             else:
                 self._future.result()  # re-raises a failed copy
 
+    def wait_done(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for the copy; whether it finished.  Never raises (``synchronize()``
+        still follows and raises a failed copy's error).  True at once on CUDA: ``wait()`` orders a stream
+        there and does not block the host, so there is no host wait to fill."""
+        if self._event is not None or self._future is None:
+            return True
+        concurrent.futures.wait([self._future], timeout=timeout)
+        return self._future.done()
+
     def done(self) -> bool:
         """Whether the copy has finished."""
         if self._event is not None:

@@ -22,8 +22,9 @@ class BackgroundSteps:
         return in_flight
 
     def _wait_working(self, handle) -> None:
-        """Before waiting on ``handle`` (a collective's, comm.py, or an NVMe read's, aio_requests.py): advance the background work
-        until ``handle`` is done or that work has nothing in flight; the caller's own wait follows.
+        """Before waiting on ``handle`` (a collective's or a world-size-1 copy's, comm.py and copy_engine.py,
+        or an NVMe read's, aio_requests.py): advance the background work until ``handle`` is done or that work
+        has nothing in flight; the caller's own wait follows.
 
         Why: a rank of a CPU device waits for gloo with its core idle, and the
         early optimizer step moves on only at transfer points: reads it had

@@ -56,6 +56,24 @@ def test_a_copy_that_may_not_run_inline_takes_the_worker_even_with_busy_cores(mo
     assert torch.equal(target, source) and engine._executor is not None
 
 
+def test_a_copy_answers_wait_done_without_raising_as_the_store_waits_on_it():
+    """At world size 1 a gather or reduce is a copy (Comm), and the store fills its wait with the early
+    optimizer steps (store_background._wait_working): ``wait_done`` reports the copy's end and leaves its
+    error to ``synchronize()``."""
+    import concurrent.futures
+
+    from zinf_compiler.runtime.copy_engine import CopyWork
+
+    running = concurrent.futures.Future()
+    work = CopyWork(Tracer(), running)
+    assert work.wait_done(0.001) is False
+    running.set_exception(RuntimeError("copy failed"))
+    assert work.wait_done(0.001) is True  # done, and the error waits for synchronize()
+    with pytest.raises(RuntimeError, match="copy failed"):
+        work.synchronize()
+    assert CopyWork(Tracer()).wait_done(0.0) is True  # copied inline: nothing in flight
+
+
 def _record(param_tier: str, opt_tier: str, device: str = "cpu"):
     return types.SimpleNamespace(param_tier=param_tier, opt_tier=opt_tier, device=torch.device(device))
 
