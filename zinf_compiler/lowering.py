@@ -5,7 +5,8 @@ The backend (:mod:`zinf_compiler.backend`) calls :func:`compile_with_inductor`
 ``rewrite(aten_gm, kind)`` callable (:func:`rewrite_aten_graph`: the pass
 pipeline) and the joint-graph hook of activation checkpointing.  What zinf
 changes in Inductor's lowering lives here: the node order it must keep, the
-deterministic algorithms it lowers with, and the outputs the partition pass
+deterministic algorithms it lowers with (and runs the accumulating index_puts with:
+:mod:`.ordered_index_put`), and the outputs the partition pass
 rewrote to ``None``.
 """
 
@@ -21,6 +22,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .context import CapturedGraph, GraphContext
 from .dump import GraphDumper
+from .ordered_index_put import order_accumulating_index_puts
 from .pipeline import run_passes
 
 
@@ -80,6 +82,7 @@ def compile_with_inductor(gm, example_inputs, rewrite, joint_hook) -> Callable:
             kind = "forward"
         aten_gm = rewrite(aten_gm, kind)
         _forget_outputs_rewritten_to_none(aten_gm)
+        order_accumulating_index_puts(aten_gm)  # ATen's kernel picks its add order when it runs
         # A placeholder the activations pass turned into a handle takes a handle now.
         placeholders = [node for node in aten_gm.graph.nodes if node.op == "placeholder"]
         aten_inputs = [node.meta["val"] if node.meta.get("zinf_activation_handle") else example

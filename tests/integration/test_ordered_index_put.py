@@ -1,0 +1,94 @@
+"""The embedding's backward gives the same bits every time under Inductor (zinf_compiler/ordered_index_put.py).
+
+Found running the README's example twice (session 29): the losses parted from the second step, for every
+offload and stage under Inductor, because ATen's accumulating index_put on the CPU adds across threads in
+whatever order they come unless deterministic algorithms are on *when it runs*; zinf had them on only while
+lowering.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zinf_compiler  # noqa: F401  (registers the backend and its ops)
+from zinf_compiler import lowering
+
+VOCAB, WIDTH, TOKENS = 64, 256, 8192  # many tokens per row: the adds collide on every row
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, tokens, scale):
+        # Each token's row gets its own gradient (scaled): equal addends would sum alike in any order.
+        return self.head(self.embed(tokens) * scale).square().mean()
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (TOKENS,), generator=generator), torch.rand(TOKENS, 1, generator=generator)
+
+
+def embedding_grads(repeats: int) -> list[torch.Tensor]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Embedder()
+    compiled = torch.compile(model, backend="zinf", options={"stage": 0})  # the default lowering: Inductor
+    tokens, scale = inputs()
+    grads = []
+    for _ in range(repeats):
+        compiled(tokens, scale).backward()
+        grads.append(model.embed.weight.grad.clone())
+        model.zero_grad()
+    return grads
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_embeddings_gradient_is_the_same_bits_every_step_under_inductor(two_threads):
+    grads = embedding_grads(12)
+    assert all(torch.equal(grads[0], grad) for grad in grads[1:])
+    # It is the sum it should be, and the user's flag is theirs again after the graph ran.
+    torch.manual_seed(0)
+    reference = Embedder()
+    reference(*inputs()).backward()
+    torch.testing.assert_close(grads[0], reference.embed.weight.grad, rtol=1e-5, atol=1e-6)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_without_the_ordered_op_the_adds_come_in_any_order(two_threads, monkeypatch):
+    """The test above can fail: with the graph's index_puts left as ATen's, the same step's gradient differs in
+    its last bits within a dozen steps (if this ever passes by chance, the machine has one core)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the adds cannot race")
+    monkeypatch.setattr(lowering, "order_accumulating_index_puts", lambda aten_gm: 0)
+    # Compiled afresh: a cached graph of the test above would hold the ordered op.
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        grads = embedding_grads(12)
+    assert not all(torch.equal(grads[0], grad) for grad in grads[1:])
+
+
+def test_the_ordered_op_equals_atens_and_keeps_the_users_flag():
+    target = torch.randn(VOCAB, 8)
+    rows = torch.randint(0, VOCAB, (500,), generator=torch.Generator().manual_seed(2))
+    values = torch.randn(500, 8)
+    expected = target.index_put([rows], values, accumulate=True)
+    torch.testing.assert_close(torch.ops.zinf.index_put_in_order(target, [rows], values), expected)
+    mask = rows % 2 == 0
+    masked = torch.ops.zinf.index_put_in_order(target, [rows], values, mask.unsqueeze(1))
+    torch.testing.assert_close(masked, target.index_put([rows[mask]], values[mask], accumulate=True))
+    assert not torch.are_deterministic_algorithms_enabled()
