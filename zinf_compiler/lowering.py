@@ -22,7 +22,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .context import CapturedGraph, GraphContext
 from .dump import GraphDumper
-from .ordered_index_put import order_accumulating_index_puts
+from .ordered_index_put import deterministic_algorithms, order_accumulating_index_puts
 from .pipeline import run_passes
 
 
@@ -39,19 +39,12 @@ def deterministic_lowering():
     Inductor's CPU code adds into a tensor at indices (the embedding's backward, index_put, scatter_add)
     with atomic adds across threads, so with 2+ threads the same step gives different last bits from run to
     run (plain ``torch.compile`` too); a resume would then not be bit-identical.  In deterministic mode it
-    lowers those ops to ATen's, which add in order.  The flag is read while lowering and restored after:
+    lowers those ops to ATen's, which add in order only if the flag is on when they run too
+    (:mod:`.ordered_index_put` sees to that).  The flag is read while lowering and restored after:
     the user's eager code keeps its own setting.  (Uninitialized memory stays unfilled, as without it.)
     """
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = fill if enabled else False
-    try:
+    with deterministic_algorithms():
         yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def _forget_outputs_rewritten_to_none(aten_gm: torch.fx.GraphModule) -> None:

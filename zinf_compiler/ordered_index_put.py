@@ -15,9 +15,26 @@ the output more than the in-place kernel Inductor would otherwise call.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Torch's deterministic algorithms on (warnings only) inside, the caller's setting restored after.
+    Uninitialized memory stays unfilled unless the caller had the flag on (filling costs a pass per tensor)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill if enabled else False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
 
 _MASKED = getattr(torch.ops.aten, "_unsafe_masked_index_put_accumulate", None)  # (a newer torch's decomposition)
 
@@ -27,18 +44,10 @@ def index_put_in_order(target: torch.Tensor, indices: list[Optional[torch.Tensor
                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``target.index_put(indices, values, accumulate=True)`` (only where ``mask``, if given), the adds in a
     fixed order."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = fill if enabled else False
-    try:
+    with deterministic_algorithms():
         if mask is None:
             return torch.ops.aten.index_put.default(target, indices, values, True)
         return _MASKED.default(target, mask, indices, values)
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @index_put_in_order.register_fake

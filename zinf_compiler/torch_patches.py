@@ -44,9 +44,11 @@ Made elsewhere, where the state they touch lives (each says why there):
   while it holds its full values (``zinf.gathered``) such a tensor reads them
   as in eager.  ``resting.py`` also switches ``RestingParameter.__torch_function__``
   off while a zinf graph runs, and back on after.
-* ``zinf_compiler/backend.py``: ``_deterministic_lowering`` turns torch's
+* ``zinf_compiler/lowering.py``: ``deterministic_lowering`` turns torch's
   deterministic algorithms on for one lowering and restores the user's
-  setting after it; ``register`` adds the ``"zinf"`` Dynamo backend.
+  setting after it (``ordered_index_put.py`` does the same around each
+  accumulating index_put as the graph runs); ``backend.py``'s ``register``
+  adds the ``"zinf"`` Dynamo backend.
 * ``zinf_compiler/ops.py``: custom ops in the ``zinf::`` namespace (added to
   torch's registry, nothing of torch's replaced).
 """
