@@ -9,13 +9,14 @@ lowering.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
 import zinf_compiler  # noqa: F401  (registers the backend and its ops)
-from zinf_compiler import lowering
+from zinf_compiler import lowering, ordered_index_put
 
 VOCAB, WIDTH, TOKENS = 64, 256, 8192  # many tokens per row: the adds collide on every row
 
@@ -69,6 +70,25 @@ def test_the_embeddings_gradient_is_the_same_bits_every_step_under_inductor(two_
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_the_embeddings_backward_adds_into_new_zeros_without_copying_them(monkeypatch):
+    """Its target is a fresh zero tensor the weight's size: the op makes it and adds into it in place (the
+    functional op would copy a vocabulary's worth of gradient once more a step)."""
+    rewritten = []
+
+    def spy(aten_gm):
+        replaced = ordered_index_put.order_accumulating_index_puts(aten_gm)
+        rewritten.extend(node.target for node in aten_gm.graph.nodes if node.op == "call_function")
+        return replaced
+
+    monkeypatch.setattr(lowering, "order_accumulating_index_puts", spy)
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        grads = embedding_grads(2)
+    assert torch.ops.zinf.index_put_in_order_on_zeros.default in rewritten
+    assert torch.ops.zinf.index_put_in_order.default not in rewritten
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_without_the_ordered_op_the_adds_come_in_any_order(two_threads, monkeypatch):
     """The test above can fail: with the graph's index_puts left as ATen's, the same step's gradient differs in
     its last bits within a dozen steps (if this ever passes by chance, the machine has one core)."""
@@ -91,4 +111,37 @@ def test_the_ordered_op_equals_atens_and_keeps_the_users_flag():
     mask = rows % 2 == 0
     masked = torch.ops.zinf.index_put_in_order(target, [rows], values, mask.unsqueeze(1))
     torch.testing.assert_close(masked, target.index_put([rows[mask]], values[mask], accumulate=True))
+    # Into zeros of its own: the same bits as ATen's on a zero target (small enough to add serially there),
+    # masked-out indices out of range included (ATen clamps them).
+    zeros = torch.zeros(VOCAB, 8)
+    on_zeros = torch.ops.zinf.index_put_in_order_on_zeros
+    assert torch.equal(on_zeros([VOCAB, 8], torch.float32, torch.device("cpu"), [rows], values),
+                       zeros.index_put([rows], values, accumulate=True))
+    wild = torch.where(mask, rows, VOCAB + 5)
+    assert torch.equal(on_zeros([VOCAB, 8], torch.float32, torch.device("cpu"), [wild], values, mask.unsqueeze(1)),
+                       torch.ops.aten._unsafe_masked_index_put_accumulate(zeros, mask.unsqueeze(1), [wild], values))
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_threads_calling_the_op_at_once_leave_the_users_flag_as_it_was(two_threads):
+    # The flag is process-wide: without the op's lock, a thread entering while another is inside reads "on"
+    # as the user's setting and restores it on the way out, so the flag stayed on after both were done.
+    target, rows, values = torch.zeros(VOCAB, 64), torch.randint(0, VOCAB, (4096,)), torch.randn(4096, 64)
+    expected = torch.ops.zinf.index_put_in_order(target, [rows], values)
+    results, start = [], threading.Barrier(4)
+
+    def call_many():
+        start.wait()
+        results.extend(torch.ops.zinf.index_put_in_order(target, [rows], values) for _ in range(50))
+
+    callers = [threading.Thread(target=call_many) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert len(results) == 200 and all(torch.equal(result, expected) for result in results)
+    with ordered_index_put.deterministic_algorithms():  # re-entrant: a lowering may run the op inside it
+        with ordered_index_put.deterministic_algorithms():
+            assert torch.are_deterministic_algorithms_enabled()
     assert not torch.are_deterministic_algorithms_enabled()

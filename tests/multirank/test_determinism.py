@@ -4,7 +4,12 @@ Issue 35: resuming a stage-3 NVMe run was not always bit-identical (2 of 6 runs 
 differed in last bits).  The cause was not zinf's timing-dependent choices but Inductor's CPU code:
 scatter-adds (the embedding's backward) use atomic adds across threads, so with 2+ threads even plain
 ``torch.compile`` gives different last bits from run to run.  zinf now lowers with torch's deterministic
-algorithms on (``lowering.deterministic_lowering``).
+algorithms on (``lowering.deterministic_lowering``), and (session 29) runs the index_puts Inductor leaves to
+ATen with them on too (``ordered_index_put``): ATen's CPU kernel chooses its add order when it runs.
+
+The GPT is 256 wide so that its embedding's backward adds 128 tokens x 256 = 32,768 values at world 1, the
+size from which ATen's CPU kernel (with 2 threads) adds across threads unless told not to; the test's first
+width (32) stayed under it and could not see that nondeterminism.
 
 Each run here is the README's default (Inductor, stage 3, parameters and optimizer on NVMe, default
 options) in fresh processes, 6 steps with a checkpoint every 3; the resumed runs stop after step 2 and
@@ -31,7 +36,7 @@ import torch
 from multirank import run_ranks
 
 BASE = dict(options={"lower": "inductor", "stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"},
-            batch=8, steps=6, save_every=3)
+            batch=8, steps=6, save_every=3, n_embd=256)
 
 
 @contextlib.contextmanager

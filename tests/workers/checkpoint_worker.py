@@ -2,14 +2,15 @@
 
 Trains the small GPT on fixed batches (each rank its slice of the global
 batch), saving a checkpoint every ``save_every`` steps under ``root``.
-``resume``: start from ``zinf.latest(root)``.  ``threads``: torch's intra-op threads (multirank
-starts ranks with one).  ``kill``: SIGKILL this
+``resume``: start from ``zinf.latest(root)``.  ``n_embd``: the GPT's width instead of ``CFG``'s.
+``threads``: torch's intra-op threads (multirank starts ranks with one).  ``kill``: SIGKILL this
 process in the middle of step ``at`` (after backward, before the optimizer
 step) or in the middle of the save after step ``at`` (data and manifest
 written, nothing committed).  Rank 0 writes the losses and the final
 ``full_state_dict`` to ``out`` (a torch file).
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -33,8 +34,9 @@ def main() -> None:
     options = {"lower": "eager", **args["options"]}
     if "nvme" in (options.get("offload_param"), options.get("offload_optimizer")):
         options["nvme_path"] = os.environ["TMPDIR"]
+    config = dataclasses.replace(CFG, n_embd=args.get("n_embd", CFG.n_embd))
     torch.manual_seed(0)
-    model = GPT(CFG)
+    model = GPT(config)
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
     kill = args.get("kill")
@@ -44,7 +46,7 @@ def main() -> None:
         path = zinf.latest(args["root"])
         first = zinf.load(path, compiled, opt)["step"] + 1
         loaded_state = {k: v.clone() for k, v in zinf.full_state_dict(compiled).items()}
-    batches = synthetic_batches(CFG, args["batch"], args["steps"])
+    batches = synthetic_batches(config, args["batch"], args["steps"])
     local = args["batch"] // world
     losses = {}
     for step in range(first, args["steps"]):
