@@ -90,7 +90,7 @@ def test_the_embeddings_backward_adds_into_new_zeros_without_copying_them(monkey
 
 
 def test_without_the_ordered_op_the_adds_come_in_any_order(two_threads, monkeypatch):
-    """The test above can fail: with the graph's index_puts left as ATen's, the same step's gradient differs in
+    """The first test can fail: with the graph's index_puts left as ATen's, the same step's gradient differs in
     its last bits within a dozen steps (if this ever passes by chance, the machine has one core)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: the adds cannot race")
