@@ -34,7 +34,7 @@ import torch
 
 from zinf_compiler import ops
 from zinf_compiler.context import GraphContext
-from zinf_compiler.graph_utils import call_op, last_node, nbytes_hint, node_order, output_node
+from zinf_compiler.graph_utils import call_op, last_node, nbytes_hint, node_order, output_node, view_base
 
 NAME = "activations"
 KINDS = ("forward", "backward")
@@ -61,20 +61,6 @@ def _overlapping(value) -> bool:
             return True
         reach += stride * (size - 1)
     return False
-
-
-def _base(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose memory ``node`` views (itself when it is no view; through split's getitems too)."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
-        source = node.args[0]
-        if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
-            node = source
-        elif (node.target is operator.getitem and isinstance(source.target, torch._ops.OpOverload)
-              and source.target.is_view):
-            node = source  # one of split's / unbind's views
-        else:
-            break
-    return node
 
 
 def _first_saved(ctx: GraphContext, outputs: list) -> int | None:
@@ -107,7 +93,7 @@ def _forward(graph: torch.fx.Graph, ctx: GraphContext) -> dict:
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
-        base = _base(node)
+        base = view_base(node)
         if base.op != "placeholder":
             kind = "activation"
         else:
@@ -162,7 +148,7 @@ def _held_bytes(kept: list[torch.fx.Node]) -> int:
     A view keeps its whole base (q keeps the fused qkv output), which is what
     the runtime's ledger counts too.
     """
-    values = [_base(node).meta.get("val") for node in {_base(node) for node in kept}]
+    values = [view_base(node).meta.get("val") for node in {view_base(node) for node in kept}]
     return sum(nbytes_hint(value) for value in values if isinstance(value, torch.Tensor) and _static(value))
 
 

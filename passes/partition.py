@@ -2,7 +2,8 @@
 
 * stage 3: every parameter placeholder is gathered right before its first use
   (``zinf.gather_start`` + ``zinf.gather_wait``) and released right after its
-  last use (``zinf.release``), in forward and again in backward (the min-cut
+  last use, views of it included (``zinf.release``; a weight's ``t`` is read by
+  the matmul after it), in forward and again in backward (the min-cut
   partitioner saves the storage-less parameter itself, not its full value, so
   backward must fetch it again).
 * stages 2 and 3: each parameter gradient the backward graph returns is sent
@@ -38,7 +39,8 @@ import torch
 
 from zinf_compiler import ops, unit_plan
 from zinf_compiler.context import GraphContext
-from zinf_compiler.graph_utils import call_op, first_node, last_node, node_order, output_node, placeholders_by_name
+from zinf_compiler.graph_utils import (call_op, first_node, last_node, memory_readers, node_order, output_node,
+                                      placeholders_by_name)
 from zinf_compiler.passes.tile import TILE_META, TILED_GRAD_META
 
 NAME = "partition"
@@ -96,7 +98,10 @@ def _gather_bucket(graph: torch.fx.Graph, slots: list[int], members: list) -> No
         for user in users:
             user.replace_input_with(param_node, value)
     order = node_order(graph)
-    with graph.inserting_after(last_node([user for value in values for user in value.users], order)):
+    # After the last read of the values' memory, views of them included: a weight's ``t`` lives
+    # until its matmul, and the ledger must count the weight as long as the memory is there.
+    readers = [reader for value in values for reader in memory_readers(value)] or values
+    with graph.inserting_after(last_node(readers, order)):
         call_op(graph, ops.RELEASE, (gathered, slots), name=f"release_{label}")
 
 
@@ -137,8 +142,8 @@ def _gather_tiles(graph: torch.fx.Graph, param_node: torch.fx.Node, weight_tiles
             value = _item(graph, gathered, 0, f"{param_node.name}_tile{tile}")
         weight_slice.replace_all_uses_with(value)
         graph.erase_node(weight_slice)
-        users = value.users or {value: None}  # nothing reads it (cannot happen after the tile pass, but stay valid)
-        with graph.inserting_after(last_node(users, node_order(graph))):
+        readers = memory_readers(value) or [value]  # nothing reads it (cannot happen after the tile pass, but stay valid)
+        with graph.inserting_after(last_node(readers, node_order(graph))):
             call_op(graph, ops.RELEASE, (gathered, [slot], tile), name=f"release_{param_node.name}_tile{tile}")
 
 

@@ -68,6 +68,7 @@ import torch
 
 from zinf_compiler import ops, unit_plan
 from zinf_compiler.context import GraphContext
+from zinf_compiler.graph_utils import memory_readers
 from zinf_compiler.passes import schedule_table
 
 NAME = "schedule"
@@ -165,12 +166,14 @@ def _find_fetches(nodes: list[torch.fx.Node], ctx: GraphContext) -> list[_Fetch]
     position = {node: index for index, node in enumerate(nodes)}
     for node in nodes:
         if node.op == "call_function" and node.target is ops.ACT_FETCH_WAIT:
-            # Held from its fetch to its last use (the graph frees it then), like a gathered unit.
+            # Held from its fetch to its last use, through views of it (the graph frees it then), like a
+            # gathered unit.
             handle = ops.arg(node, "handle")
+            readers = memory_readers(node)
             fetches.append(_Fetch(
                 name=f"activation {handle.name}", slots=[], tile=-1, wait=node,
                 groups={"gg": [ops.arg(node, "token")]},
-                release=max(node.users, key=position.__getitem__) if node.users else None,
+                release=max(readers, key=position.__getitem__) if readers else None,
                 gathered_bytes=unit_plan.value_bytes([node]), kind="activation"))
             continue
         if node.op != "call_function" or node.target is not ops.GATHER_WAIT:

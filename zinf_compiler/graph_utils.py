@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -36,6 +37,42 @@ def first_node(nodes: Iterable[torch.fx.Node], order: dict[torch.fx.Node, int]) 
 def last_node(nodes: Iterable[torch.fx.Node], order: dict[torch.fx.Node, int]) -> torch.fx.Node:
     """The latest of ``nodes`` in the graph (``order`` from :func:`node_order`)."""
     return max(nodes, key=order.__getitem__)
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s output is a view of its first input's memory: an ATen view op (``t``,
+    ``view``, ``permute``, ``split``...), ``_unsafe_view`` (a view its schema does not declare), or an
+    item of a view op's list (one of ``split``'s / ``unbind``'s views)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is operator.getitem:
+        return is_view(node.args[0])
+    return node.target is torch.ops.aten._unsafe_view.default or (
+        isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+
+
+def view_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory ``node`` views (itself when it is no view)."""
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+def memory_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``node``'s memory: its users and, through views of it, theirs.  A view keeps
+    the memory alive until its own last use (``t = aten.t(weight); addmm(b, x, t)`` reads the weight
+    at the ``addmm``), so whatever frees or stops counting that memory goes after the last of these.
+    The output node is left out: it is no use within the graph."""
+    readers, seen, pending = [], set(), list(node.users)
+    while pending:
+        user = pending.pop()
+        if user in seen or user.op == "output":
+            continue
+        seen.add(user)
+        readers.append(user)
+        if is_view(user):
+            pending.extend(user.users)
+    return readers
 
 
 def placeholders_by_name(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
