@@ -1,15 +1,17 @@
 """The swap engine (runtime/aio.py): O_DIRECT swap files, async requests, checksums, failure handling."""
 
+import contextlib
 import errno
 import os
 import pathlib
 import signal
 import stat
+import tempfile
 
 import pytest
 import torch
 
-from zinf_compiler.runtime import aio as aio_module, aio_requests, swap_folders
+from zinf_compiler.runtime import aio as aio_module, aio_requests
 from zinf_compiler.runtime.aio import AioChecksumError, AioEngine, AioError, validate_folder
 from zinf_compiler.runtime.pinned import PinnedPool
 
@@ -124,10 +126,106 @@ def test_folder_removed_when_the_engine_is_garbage_collected(tmp_path):
     assert not os.path.exists(folder)
 
 
-def test_o_direct_is_used_on_a_real_disk(tmp_path):
-    with AioEngine(str(tmp_path)) as engine:
-        probe_ok = swap_folders.probe_direct(engine.folder)
-        assert engine.direct == probe_ok
+def _open_flags(path: str) -> int:
+    """The open flags of this process's descriptor of ``path``, as the kernel holds them (/proc/self/fdinfo)."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # descriptors closed while listing
+            if os.readlink(f"/proc/self/fd/{fd}") == path:
+                with open(f"/proc/self/fdinfo/{fd}") as info:
+                    line = next(line for line in info if line.startswith("flags:"))
+                return int(line.split()[1], 8)
+    raise AssertionError(f"no open descriptor of {path}")
+
+
+def _kernel_does_direct_io(folder) -> bool:
+    """Whether the kernel does real direct I/O in ``folder``: it takes an aligned O_DIRECT write and refuses an
+    unaligned one (EINVAL). Asked here, not through the engine's probe, so the test does not check the probe
+    against itself. tmpfs since Linux 6.6 accepts O_DIRECT but buffers it, unaligned writes included."""
+    import mmap
+
+    path = os.path.join(folder, "kernel-direct-io-check")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as err:
+        if err.errno == errno.EINVAL:
+            return False
+        raise
+    block = mmap.mmap(-1, 4096)
+    try:
+        os.pwrite(fd, block, 0)
+        try:
+            os.pwrite(fd, b"unaligned", 1)
+        except OSError as err:
+            return err.errno == errno.EINVAL
+        return False
+    finally:
+        block.close()
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_o_direct_is_used_on_a_real_disk(tmp_path, pool):
+    # The swap files' descriptors are what bypasses the page cache: each must be open with O_DIRECT, as the
+    # kernel reports it, on a disk where the kernel does direct I/O (tmp_path: ext4 on the machines this runs on).
+    if not _kernel_does_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} is not on a filesystem that does direct I/O (the test needs a real disk)")
+    with AioEngine(str(tmp_path)) as engine, pool.acquire(3 * 4096) as buffer:
+        assert engine.direct
+        engine.write("param.w", buffer, 10_000).wait()
+        engine.read("param.w", buffer, 10_000).wait()
+        assert _open_flags(engine.path("param.w")) & os.O_DIRECT
+        # Direct on this disk means the kernel refuses unaligned memory; the engine says so before issuing it.
+        with pytest.raises(ValueError, match="aligned"):
+            engine.write("param.w", buffer.memoryview()[1:], 4096)
+
+
+def test_a_filesystem_refusing_o_direct_gets_buffered_io_dropped_from_the_page_cache(tmp_path, pool, monkeypatch):
+    # tmpfs before Linux 6.6 refuses an O_DIRECT open with EINVAL (since 6.6 it accepts one and buffers it):
+    # made so here for tmp_path's files, whatever this machine's kernel and disk.
+    real_open, dropped = os.open, []
+
+    def open_refusing_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT and str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        dropped.append((offset, length, advice))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(aio_module.os, "open", open_refusing_direct)
+    monkeypatch.setattr(aio_module.os, "posix_fadvise", fadvise)
+    with AioEngine(str(tmp_path), block_size=4096) as engine, pool.acquire(2 * 4096) as buffer:
+        assert not engine.direct and "direct=False" in repr(engine)
+        buffer.memoryview()[:5000] = bytes(range(256)) * 19 + bytes(136)
+        engine.write("param.w", buffer, 5000).wait()
+        assert not _open_flags(engine.path("param.w")) & os.O_DIRECT
+        # Each of the two pieces written is dropped from the page cache, as O_DIRECT would have kept it out.
+        assert [advice for *_, advice in dropped] == [os.POSIX_FADV_DONTNEED] * 2
+        # Buffered I/O takes memory at any address, which O_DIRECT would not.
+        unaligned = bytearray(3 * 4096)
+        engine.read("param.w", memoryview(unaligned)[1:], 5000).wait()
+        assert unaligned[1:5001] == bytes(buffer.memoryview()[:5000])
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_on_tmpfs_the_engine_says_what_its_descriptors_do(pool):
+    # tmpfs: O_DIRECT refused before Linux 6.6 (buffered I/O), accepted since; either way engine.direct must say
+    # which, and the swap files must be opened that way.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder, AioEngine(folder) as engine:
+        with pool.acquire(4096) as buffer:
+            engine.write("param.w", buffer, 4096).wait()
+        flags = _open_flags(engine.path("param.w"))
+        assert bool(flags & os.O_DIRECT) == engine.direct
+        try:
+            os.close(os.open(os.path.join(folder, "direct"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+            kernel_takes_direct = True
+        except OSError as err:
+            assert err.errno == errno.EINVAL
+            kernel_takes_direct = False
+        assert engine.direct == kernel_takes_direct
 
 
 def test_validate_folder_missing_and_not_a_folder(tmp_path):
