@@ -69,17 +69,28 @@ def test_larger_alignment():
 def test_exhausted_pool_waits_until_another_thread_releases():
     pool = PinnedPool(32 * KiB)
     held = [pool.acquire(16 * KiB), pool.acquire(16 * KiB)]
-    released_at = []
+    freed_address = held[0].address
+    released, acquired = threading.Event(), threading.Event()
 
-    def release_later():
-        time.sleep(0.2)
-        released_at.append(time.monotonic())
+    def release_once_the_acquire_waits():
+        # The acquire counts its wait (pool.waits) under the pool's lock and then waits on it; the release
+        # takes that lock, so it comes after the acquire is waiting, however loaded the machine: no sleep
+        # decides the order. (An acquire that does not wait ends the poll; its deadline only stops the thread.)
+        deadline = time.monotonic() + 60
+        while pool.waits == 0 and not acquired.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        released.set()
         held[0].release()
 
-    threading.Thread(target=release_later).start()
-    got = pool.acquire(8 * KiB, timeout=10)
-    assert released_at and time.monotonic() >= released_at[0]
-    assert pool.waits == 1 and pool.in_use_bytes == 24 * KiB
+    thread = threading.Thread(target=release_once_the_acquire_waits)
+    thread.start()
+    got = pool.acquire(8 * KiB, timeout=60)
+    returned_after_the_release = released.is_set()
+    acquired.set()
+    thread.join()
+    assert returned_after_the_release and pool.waits == 1
+    assert got.address == freed_address  # the released block, not memory another buffer still holds
+    assert pool.in_use_bytes == 24 * KiB
     got.release()
     held[1].release()
 
