@@ -178,7 +178,9 @@ def test_a_checkpoint_converts_to_safetensors_that_torch_dcp_loads(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     if not hasattr(dcp, "HuggingFaceStorageReader"):
-        return
+        # Reported, not passed: the safetensors half above ran, the DCP half did not.
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.checkpoint.HuggingFaceStorageReader: "
+                    f"the converted folder was read by safetensors only, not by DCP")
     into = {name: torch.zeros_like(value) for name, value in weights.items()}
     dcp.load(into, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path / "converted")), no_dist=True)
     assert all(torch.equal(into[name], weights[name]) for name in weights)
