@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import os
+import random
 import re
 import shutil
 import zlib
@@ -51,19 +52,36 @@ class Run:
         moments = {(index, kind): value.clone() if isinstance(value, torch.Tensor) else value
                    for index, state in opt["state"].items() for kind, value in state.items()}
         groups = [{k: v for k, v in group.items() if k != "params"} for group in opt["param_groups"]]
-        return {"model": model, "moments": moments, "groups": groups, "rng": torch.get_rng_state().clone()}
+        return {"model": model, "moments": moments, "groups": groups, "rng": torch.get_rng_state().clone(),
+                "python_rng": random.getstate()}
 
 
 def _same(a: dict, b: dict) -> bool:
     def equal(x, y):
         if isinstance(x, torch.Tensor):
-            return isinstance(y, torch.Tensor) and torch.equal(x, y)
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape):
+                return False
+            # NaN equals NaN, as in the scalar case below: bytes read as another dtype may be NaN.
+            return bool((x.isnan() & y.isnan() | (x == y)).all()) if x.is_floating_point() else torch.equal(x, y)
         if isinstance(x, dict):
             return x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
         if isinstance(x, (list, tuple)):
             return len(x) == len(y) and all(equal(p, q) for p, q in zip(x, y))
         return x == y or (x != x and y != y)
     return equal(a, b)
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """The parts of two states that differ, parameters and moments by key (a failure that says where)."""
+    parts = []
+    for part, x in a.items():
+        y = b[part]
+        if isinstance(x, dict) and isinstance(y, dict):
+            parts += [f"{part}[{key!r}]" for key in x.keys() | y.keys()
+                      if key not in x or key not in y or not _same(x[key], y[key])]
+        elif not _same(x, y):
+            parts.append(part)
+    return sorted(parts)
 
 
 @pytest.fixture(scope="module")
@@ -411,14 +429,53 @@ def _mutations(draw):
         draw(st.sampled_from([-(2**40), -1, 1, 8, 2**40]))
 
 
+def _as_written(folder, docs: dict, saved_meta: dict, before: dict) -> dict:
+    """The state a load of ``folder`` must give, read here in a few lines apart from zinf's reader: each
+    parameter's and moment's elements are the bytes its manifest entry points at (in the entry's dtype), the
+    step counts, hyperparameters and RNG states are as written. (A resealed edit is a checkpoint that says
+    other things, not a damaged one: an offset moved within the data file points at other bytes, which is
+    what the load must then take.) ``saved_meta``: the unedited meta.json, for what the model fixes (which
+    parameter is which optimizer index, tied names); ``before``: the state of the good checkpoint, for the
+    shapes and the settings a checkpoint does not carry."""
+    meta, manifest = docs["meta.json"], docs[MANIFEST]
+    data = (folder / manifest["data"]["file"]).read_bytes()
+    numel = {name: value.numel() for name, value in before["model"].items()}
+    flat = {}
+    for entry in manifest["entries"]:
+        dtype = getattr(torch, entry["dtype"])
+        values = flat.setdefault((entry["name"], entry["kind"]), torch.full((numel[entry["name"]],), float("nan")))
+        for first, stop, offset in entry["pieces"]:
+            if stop > first:
+                piece = bytearray(data[offset: offset + (stop - first) * dtype.itemsize])
+                values[first:stop] = torch.frombuffer(piece, dtype=dtype).float()
+    owner = {alias: name for name, info in saved_meta["params"].items() for alias in info["aliases"]}
+    model = {name: flat[(owner[name], "value")].view_as(value) for name, value in before["model"].items()}
+    names = [name for group in saved_meta["optimizer"]["param_groups"] for name in group["params"]]
+    moments = {}
+    for (index, kind), value in before["moments"].items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            moments[index, kind] = flat[(names[index], f"state.{kind}")][: value.numel()].view_as(value)
+        else:
+            number, dtype = manifest["scalars"][names[index]][kind]
+            moments[index, kind] = torch.tensor(number, dtype=getattr(torch, dtype))
+    groups = [{**group, **{key: value for key, value in written.items() if key in group}}
+              for group, written in zip(before["groups"], meta["optimizer"]["param_groups"])]
+    version, words, gauss = manifest["rng"]["python"]
+    return {"model": model, "moments": moments, "groups": groups,
+            "rng": torch.tensor(list(bytes.fromhex(manifest["rng"]["torch"])), dtype=torch.uint8),
+            "python_rng": (version, tuple(words), gauss)}
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(mutations=st.lists(_mutations(), min_size=1, max_size=3))
-def test_any_mutation_of_a_saved_manifest_raises_only_zinf_checkpoint_error(saved, tmp_path_factory, mutations):
-    """Mutate meta.json and the manifest (CRCs resealed): a load either succeeds or raises ZinfCheckpointError,
-    and a refused load changes nothing."""
+def test_any_mutation_of_a_saved_manifest_is_loaded_as_written_or_refused(saved, tmp_path_factory, mutations):
+    """Mutate meta.json and the manifest (CRCs resealed): a load either raises ZinfCheckpointError and changes
+    nothing, or it loads exactly what the mutated files say (an unchanged field: the original) and returns the
+    extra they name."""
     good, run = saved
     folder = _copy(good, tmp_path_factory.mktemp("mutated") / "ckpt")
     docs = {"meta.json": _read_json(folder / "meta.json"), MANIFEST: _read_json(folder / MANIFEST)}
+    saved_meta = copy.deepcopy(docs["meta.json"])
     for which, operation, pick, nasty, delta in mutations:
         paths = list(_paths(docs[which]))
         path, value = paths[pick % len(paths)]
@@ -438,13 +495,51 @@ def test_any_mutation_of_a_saved_manifest_raises_only_zinf_checkpoint_error(save
         else:
             parent[path[-1]] = nasty
     _reseal(folder, {MANIFEST: docs[MANIFEST]}, meta=docs["meta.json"])
+    docs = {"meta.json": _read_json(folder / "meta.json"), MANIFEST: _read_json(folder / MANIFEST)}  # as resealed
     zinf.load(good, run.compiled, run.opt)
     before = run.state()
     try:
-        zinf.load(folder, run.compiled, run.opt)
+        extra = zinf.load(folder, run.compiled, run.opt)
     except zinf.ZinfCheckpointError as err:
         assert str(err), err
         assert _same(run.state(), before)
+    else:
+        assert _differing(run.state(), _as_written(folder, docs, saved_meta, before)) == [], mutations
+        assert extra == ({"step": 1} if "extra" in docs["meta.json"] else None)
+    finally:
+        zinf.load(good, run.compiled, run.opt)
+
+
+@pytest.mark.parametrize("which,path,value", [
+    ("meta.json", ("optimizer", "param_groups", 0, "lr"), 7),
+    ("meta.json", ("optimizer", "param_groups", 0, "betas"), [0.5, 0.75]),
+    (MANIFEST, ("scalars", "ln_f.bias", "step", 0), 9.0),
+    (MANIFEST, ("rng", "python", 1, 3), 5),
+    ("meta.json", ("extra",), None),  # deleted: the load returns no extra
+], ids=["lr", "betas", "step", "python-rng", "no-extra"])
+def test_an_edited_checkpoint_that_is_still_valid_loads_as_written(saved, tmp_path, which, path, value):
+    # What the property test above holds a successful load to, on edits that must load: values a checkpoint
+    # carries, rewritten and resealed, are a checkpoint that says other things, not a damaged one.
+    good, run = saved
+    folder = _copy(good, tmp_path / "ckpt")
+    docs = {"meta.json": _read_json(folder / "meta.json"), MANIFEST: _read_json(folder / MANIFEST)}
+    saved_meta = copy.deepcopy(docs["meta.json"])
+    parent = docs[which]
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is None:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    _reseal(folder, {MANIFEST: docs[MANIFEST]}, meta=docs["meta.json"])
+    zinf.load(good, run.compiled, run.opt)
+    before = run.state()
+    try:
+        extra = zinf.load(folder, run.compiled, run.opt)
+        after = run.state()
+        assert _differing(after, _as_written(folder, docs, saved_meta, before)) == []
+        assert not _same(after, before) or value is None
+        assert extra == (None if value is None else {"step": 1})
     finally:
         zinf.load(good, run.compiled, run.opt)
 
