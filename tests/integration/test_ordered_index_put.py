@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zinf_compiler  # noqa: F401  (registers the backend and its ops)
 from zinf_compiler import lowering, ordered_index_put
@@ -37,7 +38,36 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (TOKENS,), generator=generator), torch.rand(TOKENS, 1, generator=generator)
 
 
-def embedding_grads(repeats: int) -> list[torch.Tensor]:
+# zinf's ordered ops by name, and the Python function each runs: called directly (not through the dispatcher,
+# where the recorder would meet the op again) so that the recorder sees the ATen call inside.
+ORDERED_OPS = {"zinf::index_put_in_order": ordered_index_put.index_put_in_order._init_fn,
+               "zinf::index_put_in_order_on_zeros": ordered_index_put.index_put_in_order_on_zeros._init_fn}
+
+
+class IndexPutsRun(TorchDispatchMode):
+    """Records the accumulating index_puts that run inside it, zinf's ordered ops and the ATen calls inside
+    them included, each with whether deterministic algorithms were on at that moment: ATen's CPU kernel adds
+    in order only if they are (it reads the flag when it runs, not when the graph was lowered)."""
+
+    def __init__(self, runs: list | None = None) -> None:
+        super().__init__()
+        self.runs: list[tuple[str, bool]] = [] if runs is None else runs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name()
+        if name in ORDERED_OPS or name == "aten::_unsafe_masked_index_put_accumulate" or (
+                name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_")
+                and (args[3] if len(args) > 3 else kwargs.get("accumulate", False))):
+            self.runs.append((name, torch.are_deterministic_algorithms_enabled()))
+        if name in ORDERED_OPS:
+            with IndexPutsRun(self.runs):  # (this one is off while it handles the call)
+                return ORDERED_OPS[name](*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def embedding_grads(repeats: int, runs: list | None = None) -> list[torch.Tensor]:
+    """The embedding's gradient after each of ``repeats`` steps; ``runs`` gets each backward's index_puts."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Embedder()
@@ -45,7 +75,12 @@ def embedding_grads(repeats: int) -> list[torch.Tensor]:
     tokens, scale = inputs()
     grads = []
     for _ in range(repeats):
-        compiled(tokens, scale).backward()
+        loss = compiled(tokens, scale)
+        recorder = IndexPutsRun()
+        with recorder:  # the backward graph alone: the forward is Dynamo's, which a mode would make retrace
+            loss.backward()
+        if runs is not None:
+            runs.append(recorder.runs)
         grads.append(model.embed.weight.grad.clone())
         model.zero_grad()
     return grads
@@ -60,7 +95,12 @@ def two_threads():
 
 
 def test_the_embeddings_gradient_is_the_same_bits_every_step_under_inductor(two_threads):
-    grads = embedding_grads(12)
+    runs = []
+    grads = embedding_grads(12, runs)
+    # What makes it so, whether or not ATen's threads would have raced this time: every step's backward adds
+    # through zinf's ordered op, inside which ATen's accumulating index_put runs with deterministic algorithms
+    # on, and the user's setting (off) outside it.
+    assert runs == [[("zinf::index_put_in_order_on_zeros", False), ("aten::index_put_", True)]] * 12
     assert all(torch.equal(grads[0], grad) for grad in grads[1:])
     # It is the sum it should be, and the user's flag is theirs again after the graph ran.
     torch.manual_seed(0)
@@ -89,9 +129,26 @@ def test_the_embeddings_backward_adds_into_new_zeros_without_copying_them(monkey
     assert torch.equal(grads[0], grads[1])
 
 
+def test_without_the_ordered_op_atens_index_put_runs_with_deterministic_algorithms_off(monkeypatch):
+    """The first test's check of what runs can fail, whatever the threads do: with the graph's index_puts left
+    as ATen's, the backward runs ATen's accumulating index_put with the flag off, the kernel that adds across
+    threads in any order (the next test sees the order change)."""
+    monkeypatch.setattr(lowering, "order_accumulating_index_puts", lambda aten_gm: 0)
+    runs = []
+    # Compiled afresh: a cached graph of the test above would hold the ordered op.
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        embedding_grads(1, runs)
+    assert runs == [[("aten::index_put_", False)]]
+
+
+# In --all only: it needs ATen's two threads to race within a dozen steps, which on a loaded machine (or one
+# core) they may not do, with no bug. The default run has the check above, which does not depend on timing.
+@pytest.mark.slow
 def test_without_the_ordered_op_the_adds_come_in_any_order(two_threads, monkeypatch):
-    """The first test can fail: with the graph's index_puts left as ATen's, the same step's gradient differs in
-    its last bits within a dozen steps (if this ever passes by chance, the machine has one core)."""
+    """The first test's bit equality can fail: with the graph's index_puts left as ATen's, the same step's
+    gradient differs in its last bits within a dozen steps (if this ever passes by chance, the machine has one
+    core or was too busy for the threads to overlap)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: the adds cannot race")
     monkeypatch.setattr(lowering, "order_accumulating_index_puts", lambda aten_gm: 0)
