@@ -10,9 +10,10 @@ lengths, against eager, and two things are checked besides the losses:
 * guards: no guard on a symbolic size was installed by a zinf source file (:class:`CompileRecorder` in tests/support: the
   ShapeEnv of each compile records the frame behind every guard, a specialization to a constant too).
 
-The default run takes three configurations; the full suite (``run_tests.sh --full``) runs the whole
-matrix: stages 2 and 3, tiers none/cpu/nvme, activation checkpointing none/block/auto, and a
-tiled model.
+The default run takes one configuration (stage 3, no offload, no checkpointing) and the check's negative
+control (a planted specialization, which it must find) lowered eagerly; the whole suite (``run_tests.sh
+--all``) runs the whole matrix: stages 2 and 3, tiers none/cpu/nvme, activation checkpointing
+none/block/auto, and a tiled model, drawn models, and the negative control under Inductor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import pathlib
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -121,27 +123,36 @@ def test_drawn_models_are_never_specialized_by_zinf(layers, heads, width, name, 
     assert guards.compiles <= 2, f"{guards.compiles} compiles of one graph"
 
 
-@pytest.mark.slow  # a recompile per size: about a minute
-def test_shape_guards_find_a_planted_specialization(monkeypatch):
-    # The check above must be able to fail: a pass that calls int() on a symbolic size is caught.
+# The negative control of the guard check above, in the default run: without it nothing shows that check can
+# fail. The passes run (and a planted guard is installed) before lowering, so the default run lowers eagerly
+# (seconds: no Inductor compile per size); --all lowers with Inductor too, as the test above does (about a minute).
+@pytest.mark.parametrize("lower", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_shape_guards_find_a_planted_specialization(lower, monkeypatch):
+    # The check above must be able to fail: a pass that calls int() on a symbolic size is caught. The plant is
+    # compiled as if it were in zinf's passes/activations.py, so that the very check above (guards_by_zinf:
+    # guards installed by zinf's files) is the one that finds it.
     from zinf_compiler.passes import activations
 
     real = activations.run
-
-    def specializing(gm, ctx):
-        for node in gm.graph.nodes:
-            value = node.meta.get("val")
-            if node.op == "placeholder" and isinstance(value, torch.Tensor):
-                for size in value.shape:
-                    if isinstance(size, torch.SymInt):
-                        int(size)  # the planted bug: guards the graph on this size
-        return real(gm, ctx)
-
-    monkeypatch.setattr(activations, "run", specializing)
+    plant = compile(textwrap.dedent("""
+        def specializing(gm, ctx):
+            for node in gm.graph.nodes:
+                value = node.meta.get("val")
+                if node.op == "placeholder" and isinstance(value, torch.Tensor):
+                    for size in value.shape:
+                        if isinstance(size, torch.SymInt):
+                            int(size)  # the planted bug: guards the graph on this size
+            return real(gm, ctx)
+    """), activations.__file__, "exec")
+    namespace = {"torch": torch, "real": real}
+    exec(plant, namespace)
+    monkeypatch.setattr(activations, "run", namespace["specializing"])
     guards = CompileRecorder(monkeypatch)
     model = GPT(CFG)
-    compiled = torch.compile(model, backend="zinf", dynamic=True, options={"stage": 3})
-    for idx in _batches()[:3]:
+    compiled = torch.compile(model, backend="zinf", dynamic=True, options={"stage": 3, "lower": lower})
+    sizes = 2 if lower == "eager" else 3
+    for idx in _batches()[:sizes]:
         compiled(idx, idx).backward()
-    assert guards.guards_installed_in((str(pathlib.Path(__file__).resolve()),))  # the plant, found by its file
-    assert guards.compiles >= 3  # and every new batch size recompiled
+    planted = guards.guards_by_zinf()
+    assert planted and all(str(pathlib.Path(activations.__file__).resolve()) in guard for guard in planted), planted
+    assert guards.compiles >= sizes  # and every new batch size recompiled
