@@ -56,7 +56,8 @@ CONFIGS = {
 }
 
 
-# The default run: the device, cpu (bf16) and nvme (tiled) tiers at stage 3; --all adds the rest.
+# The default run: the cpu (bf16) and nvme (tiled) tiers at stage 3; --all adds the rest (the device tier,
+# nvme untiled, stages 2 and 0).
 DEFAULT = ("stage3-nvme-tiled", "stage3-cpu-bf16")  # the device tier's resume: --all (suite time)
 
 

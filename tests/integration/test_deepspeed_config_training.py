@@ -79,8 +79,8 @@ def test_deepspeeds_zero3_nvme_offload_config_from_a_json_file_trains_equal_to_e
                 "offload_optimizer.buffer_count", "offload_optimizer.fast_init"):
         assert f"zero_optimization.{key}=" in warning
     assert "aio.single_submit=" in warning
-    # The default run lowers with eager (short; the CPU test covers Inductor), held to test_nvme_params.py's
-    # tolerances; Inductor (slow) to the CPU test's.
+    # The default run lowers with eager (short; Inductor: this test's other case and the CPU test, both
+    # slow), held to test_nvme_params.py's tolerances; Inductor to the CPU test's.
     result = compare_training(TINY, {**options, "lower": lower}, steps=3)
     loss_tolerance, param_tolerance = (1e-5, 1e-5) if lower == "eager" else (1e-4, 1e-3)
     assert result.max_loss_error <= loss_tolerance, result.describe()

@@ -89,8 +89,8 @@ def checkpoint_plans(monkeypatch):
     return record_checkpoint_plans(monkeypatch)
 
 
-# The default run: a decoder with RoPE and GQA, GPT-2's learned positions and Conv1D, and a state-space
-# model; the other architectures (same paths, other shapes) with --all.
+# The default run: a decoder with RoPE and GQA (llama); the other architectures (GPT-2's learned positions
+# and Conv1D, a state-space model, ...: the same paths, other shapes) with --all.
 DEFAULT_ARCHITECTURES = ("llama",)
 
 

@@ -8,8 +8,10 @@ do), gradient hooks, 1-3 instances of one class in one process, batch and
 sequence sizes that change between steps; options: stage 0-3, parameter and optimizer tiers, tiling, activation
 checkpointing and activation tiers, world size 1.
 
-Examples per run: 3 by default, 8 with ``run_tests.sh --all`` (profile ``ci``, what CI runs); run
-``HYPOTHESIS_PROFILE=thorough pytest tests/integration/test_usage_properties.py`` for 60.
+Both properties are slow (``--all`` only; the default run has none). Examples per run: 8 with
+``run_tests.sh --all`` (profile ``ci``, what CI runs), 3 under the file's default profile (``pytest -m slow
+tests/integration/test_usage_properties.py``); run ``HYPOTHESIS_PROFILE=thorough pytest -m slow
+tests/integration/test_usage_properties.py`` for 60.
 """
 
 from __future__ import annotations

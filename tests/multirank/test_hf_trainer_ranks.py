@@ -9,7 +9,7 @@ from hf_trainer_runs import assert_same, dataset, eager_run, logged
 from multirank import run_ranks
 
 
-@pytest.mark.slow  # world 2 under zinf is in the default run elsewhere (test_zero, test_checkpoint)
+@pytest.mark.slow  # world 2 under zinf is in the default run elsewhere (test_zero.py::test_zero_stages_match_eager[2])
 def test_trainer_at_world_2_equals_eager_trainer(tmp_path):
     """Two ranks (torchrun's environment variables, gloo), one sample each per micro-batch: the same
     global batches as the eager Trainer on one process, so the same losses; accelerate does not wrap

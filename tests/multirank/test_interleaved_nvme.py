@@ -7,7 +7,10 @@ from multirank import run_ranks
 from usage import PARAM_RTOL
 
 
-@pytest.mark.slow  # the default run has the early steps at world 2 in test_zero.py's EARLY_CONFIGS (suite time)
+# Slow (suite time), as are the other world-2 runs of early steps (test_zero.py's EARLY_CONFIGS, in
+# test_offloaded_training_matches_eager[2]); the default run has early steps at world 1 only
+# (tests/unit/test_early_adam.py).
+@pytest.mark.slow
 def test_two_nvme_models_trained_interleaved_equal_eager_and_the_late_step(tmp_path):
     for result in run_ranks(2, "interleaved_nvme_worker", {"root": str(tmp_path)}, timeout=300):
         early, late = result["early"], result["late"]

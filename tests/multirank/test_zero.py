@@ -94,7 +94,7 @@ def _check_early_steps(results):
                 assert stats["committed"] == 0, (config_result["config"], stats)  # clipping clipped
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # world 2: test_zero_stages_match_eager
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # world 2: test_zero_stages_match_eager[2]
 def test_offloaded_training_matches_eager(world):
     """Issue 4 acceptance 1: parameters and optimizer state on CPU or NVMe train like eager; issue 26
     acceptance 5: so do optimizer steps taken during backward, with accumulation and with clipping off
@@ -224,7 +224,7 @@ def test_hsdp_on_a_2x2_mesh_equals_eager():
 
 
 # World 4 runs in test_at_world_4_stages_offload_buckets_early_steps_and_hsdp_equal_eager (one launch).
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # world 1: test_offloaded_training_...
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # world 1: test_offloaded_training_matches_eager[1]
 def test_zero_stages_match_eager(world):
     # Buckets only exist at world size > 1 (a world-1 run of those configs would repeat the default one).
     configs = CONFIGS if world == 2 else [config for config in CONFIGS if "bucket_bytes" not in config]
