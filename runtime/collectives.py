@@ -20,8 +20,15 @@ def start_gather(unit: Unit, local_parts: list[torch.Tensor], group: Comm, timeo
 
     All-gather partitions gather every rank's row; broadcast partitions send
     the owner's whole matrix.  Returns ``(work, matrix)``: the matrix is valid
-    once ``work.wait()`` returns.
+    once ``work.wait()`` returns; for a unit whose values are apart (``Unit.values_apart``: world size
+    1's bucket) ``matrix`` is the list of the pieces' flat values instead.
     """
+    if unit.values_apart:
+        # World size 1's bucket: each piece's value its own tensor, copied from its part (one work).
+        values = [torch.empty(piece.numel, dtype=unit.compute_dtype, device=unit.device) for piece in unit.pieces]
+        parts = local_parts if len(local_parts) == len(values) else _split(local_parts, unit)
+        return group.copy_apart(values, [part[: value.numel()] for part, value in zip(parts, values)],
+                                f"all_gather of {unit.name}"), values
     matrix = torch.empty(unit.rows * unit.columns, dtype=unit.compute_dtype, device=unit.device)
     if unit.partition == "allgather" and group.rooted_collectives:
         # Joined straight into this rank's own row (one copy), which the rooted all-gather sends as it is.
@@ -36,6 +43,12 @@ def start_gather(unit: Unit, local_parts: list[torch.Tensor], group: Comm, timeo
         work = group.broadcast(matrix, src=unit.pieces[0].layout.owner, what=f"broadcast of {unit.name}",
                                timeout=timeout)
     return work, matrix
+
+
+def _split(local_parts: list[torch.Tensor], unit: Unit) -> list[torch.Tensor]:
+    """The pieces' local slices, cut from local input given side by side (in one tensor or several)."""
+    local = local_parts[0] if len(local_parts) == 1 else torch.cat(local_parts)
+    return list(local.split([piece.local_numel for piece in unit.pieces]))
 
 
 def padded_rows(unit: Unit, flats: list[torch.Tensor]) -> list[torch.Tensor]:

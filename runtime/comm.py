@@ -237,6 +237,15 @@ class Comm:
             return self.copier.copy(output, shard, "gg", "gather (local copy)", busy_cores_inline=True)
         return self._work(self.start_all_gather_uncounted(output, shard), "gg", nbytes, what, timeout)
 
+    def copy_apart(self, values: list[torch.Tensor], parts: list[torch.Tensor], what: str = "all_gather"):
+        """World size 1: the all-gather of a bucket whose values stay apart (``Unit.values_apart``): each
+        ``values[i]`` copied from ``parts[i]``, one work for all; counted as one all-gather."""
+        if self.world_size != 1:
+            raise ValueError(f"{what}: copy_apart is the all-gather of world size 1, this group has "
+                             f"{self.world_size} ranks")
+        self._count("all_gather", sum(value.numel() * value.element_size() for value in values))
+        return self.copier.copy(values, parts, "gg", "gather (local copy)", busy_cores_inline=True)
+
     def start_all_gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor):
         """The torch.distributed work of :meth:`all_gather_into` (world size > 1), neither counted nor
         traced: what the cost model's probe times."""

@@ -341,6 +341,12 @@ class EarlyAdam:
             buffer.release()
         group.buffers = {}
 
+    def _give_back_reads(self, job: _Job) -> None:
+        """Undo ``job``'s newest reads: wait for them, give their buffers back, and read the group again later."""
+        group = job.reading.pop()
+        self._settle(job, group)
+        job.pending.insert(0, group)
+
     def _settle_param(self, job: _Job) -> None:
         _wait_for_job(job, job.param_requests)
         job.param_requests = []
@@ -354,26 +360,34 @@ class EarlyAdam:
         while not all(job.settled and (job.stopped or not job.pending) for job in jobs):
             if self._pass(jobs):
                 continue
-            # Nothing moves without waiting: wait for the oldest transfer in flight.
-            for job in jobs:
-                if job.reading:
-                    self._finish_reads(job)
-                elif job.writing:
-                    self._settle(job, job.writing.pop(0))
-                elif job.param_requests:
-                    self._settle_param(job)
+            # Nothing moves without waiting.  Writes first: settling them only gives buffers back.
+            writer = next((job for job in jobs if job.writing or job.param_requests), None)
+            if writer is not None:
+                if writer.writing:
+                    self._settle(writer, writer.writing.pop(0))
                 else:
-                    continue
-                break
-            else:
-                # Nothing in flight: the pool holds at most the first unfinished job's staging.
-                job = next((job for job in jobs if job.pending and not job.stopped), None)
-                if job is None:
-                    raise RuntimeError("zinf: early optimizer steps stuck with nothing in flight (a bug): "
-                                       + ", ".join(f"{j.record.name} pending={len(j.pending)} stopped={j.stopped} "
-                                                   f"staging={j.param_staging is not None}" for j in jobs))
-                self._start_reads(job, job.pending[0], wait=True)
-                job.reading.append(job.pending.pop(0))
+                    self._settle_param(writer)
+                continue
+            reader = next((job for job in jobs if job.reading), None)
+            if reader is not None:
+                # Its update may need a staging for its parameter, which only a buffer given back here can
+                # make room for (several jobs start at once where a bucket's gradients land together): give
+                # back the newest reads held, another job's or its own later ones, rather than wait.
+                holder = next((job for job in reversed(jobs)
+                               if job.reading and (job is not reader or len(job.reading) > 1)), None)
+                if self._staging_ready(reader) or holder is None:
+                    self._finish_reads(reader)  # (holder None: its one group fills the pool, which is too small)
+                else:
+                    self._give_back_reads(holder)
+                continue
+            # Nothing in flight: the pool holds at most the first unfinished job's staging.
+            job = next((job for job in jobs if job.pending and not job.stopped), None)
+            if job is None:
+                raise RuntimeError("zinf: early optimizer steps stuck with nothing in flight (a bug): "
+                                   + ", ".join(f"{j.record.name} pending={len(j.pending)} stopped={j.stopped} "
+                                               f"staging={j.param_staging is not None}" for j in jobs))
+            self._start_reads(job, job.pending[0], wait=True)
+            job.reading.append(job.pending.pop(0))
         self.dropped = []
 
     # --- the verdict -----------------------------------------------------------------

@@ -104,9 +104,18 @@ class FetchSteps:
                 transfer.staging = None
             return
         self._add_transient("device", unit.sizes.local, what=f"cg_start of {unit.name}", ledger=self._group_of(unit).ledger)
-        on_device = torch.empty(unit.local_numel, dtype=unit.compute_dtype, device=unit.device)
-        works, at = [], 0
-        for index, piece in enumerate(unit.pieces):
+        if unit.values_apart:  # each piece's value a tensor of its own (the gather passes them on)
+            on_device = [torch.empty(piece.local_numel, dtype=unit.compute_dtype, device=unit.device)
+                         for piece in unit.pieces]
+            targets = on_device
+        else:
+            on_device = torch.empty(unit.local_numel, dtype=unit.compute_dtype, device=unit.device)
+            targets, at = [], 0
+            for piece in unit.pieces:
+                targets.append(on_device[at : at + piece.local_numel])
+                at += piece.local_numel
+        copies = []
+        for index, (piece, target) in enumerate(zip(unit.pieces, targets)):
             numel = piece.local_numel
             if numel == 0:
                 continue
@@ -116,8 +125,9 @@ class FetchSteps:
             else:
                 start, stop = piece.local_range
                 source = piece.layout.shard[start:stop]
-            works.append(self.copier.copy(on_device[at : at + numel], source, "cg", f"cg {piece.layout.name}"))
-            at += numel
+            copies.append((target, source))
+        # One work for the unit's pieces (one launch on CUDA).
+        works = [self.copier.copy([t for t, _ in copies], [s for _, s in copies], "cg", f"cg {unit.name}")] if copies else []
         transfer.value, transfer.pending = on_device, works
 
     def cg_wait(self, unit: Unit) -> None:
@@ -132,8 +142,9 @@ class FetchSteps:
         if self._transfers.has(unit, State.STAGED):
             transfer = self._transfers.move(unit, "gather_start", State.STAGED, State.GATHERING)
             local, transfer.value = transfer.value, None
-            self._add_transient("device", -nbytes_of(local), ledger=self._group_of(unit).ledger)
-            return transfer, [local]
+            parts = local if unit.values_apart else [local]
+            self._add_transient("device", -sum(map(nbytes_of, parts)), ledger=self._group_of(unit).ledger)
+            return transfer, parts
         if self._rests_on_device(unit):
             slices = [piece.layout.shard[piece.local_range[0] : piece.local_range[1]] for piece in unit.pieces]
             transfer = self._transfers.move(unit, "gather_start", State.NEW, State.GATHERING)
@@ -159,7 +170,8 @@ class FetchSteps:
             source = State.STAGED if self._transfers.has(unit, State.STAGED) else State.NEW
             transfer = self._transfers.move(unit, "gather_start", source, State.GATHERING)
             if transfer.value is not None:  # staged on the device before the values were held
-                self._add_transient("device", -nbytes_of(transfer.value), ledger=group.ledger)
+                staged = transfer.value if unit.values_apart else [transfer.value]
+                self._add_transient("device", -sum(map(nbytes_of, staged)), ledger=group.ledger)
             transfer.work, transfer.value = DONE, None  # (gather_wait copies the held values)
             self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=group.ledger)
             return
@@ -167,7 +179,7 @@ class FetchSteps:
         self._add_transient("device", unit.sizes.gathered, what=f"gather_start of {unit.name}", ledger=group.ledger)
         if unit.world_size == 1 and unit.partition == "allgather" and not self._rests_on_device(unit):
             # The cg step's fresh device copy already is the whole unit: no collective, no copy.
-            transfer.work, transfer.value = DONE, local[0]
+            transfer.work, transfer.value = DONE, (local if unit.values_apart else local[0])
             return
         transfer.work, transfer.value = start_gather(unit, local, self._shard_comm(unit), group.collective_timeout)
 
@@ -187,7 +199,10 @@ class FetchSteps:
         try:
             values = []
             for index, piece in enumerate(unit.pieces):
-                value = piece.assemble(unit.column_block(matrix, index))
+                if unit.values_apart:  # a list: each piece's own flat value (see Unit.values_apart)
+                    value = matrix[index].view(piece.shape)
+                else:
+                    value = piece.assemble(unit.column_block(matrix, index))
                 if value.dtype != piece.layout.dtype:
                     value = value.to(piece.layout.dtype)
                 values.append(value)

@@ -271,6 +271,10 @@ class Unit:
         self.device = first.device
         self.world_size = first.world_size
         self.rows = first.world_size if first.partition == "allgather" else 1
+        # World size 1's bucket: nothing is gathered from other ranks, so each piece's value is a tensor of
+        # its own, copied from its shard (one matrix would make the values alias each other, which the
+        # graph's ops may not return, and the graph frees each value after its own last use).
+        self.values_apart = self.rows == 1 and len(pieces) > 1
         offsets, column = [], 0
         for piece in pieces:
             offsets.append(column)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a CUDA machine that already has torch (and triton): install zinf from this source tree into a
 # temporary folder (no network needed), then run the CUDA checks. Arguments: which parts to run
-# (default: kernels check example bench; plan: zinf.plan of the bench's GPT on this GPU; pytest:PATH: tests
-# under PATH, PYTEST_ARGS added, e.g. "-n 8"); CHECK_ARGS / BENCH_ARGS go to gpu_check.py check / bench
-# (e.g. "--jobs 8"). Logs go to $OUT when set (the device tool), else ./gpu_out.
+# (default: kernels check example bench; plan: zinf.plan of the bench's GPT on this GPU; scale: the ladder of
+# model sizes beside the peers, benchmarks/scale.py, SCALE_ARGS added; overhead: the runtime's cost per unit,
+# benchmarks/overhead.py, OVERHEAD_ARGS added; pytest:PATH: tests under PATH, PYTEST_ARGS added, e.g. "-n 8");
+# CHECK_ARGS / BENCH_ARGS go to gpu_check.py check / bench (e.g. "--jobs 8"). Logs go to $OUT when set (the
+# device tool), else ./gpu_out.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$repo/gpu_out}"
@@ -22,7 +24,7 @@ fi
 export PYTHONPATH="$pkg:$repo/tests/support:$repo/tests/workers:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/zinf_inductor_cache}"
-python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 # Every part runs from an empty folder: `python3 -m` puts the working directory first on sys.path, and in
 # the repository that is the source tree's zinf_compiler/ (its passes/ and runtime/ are not inside it).
 cd "$(mktemp -d)"
@@ -44,6 +46,9 @@ for part in "${parts[@]}"; do
                     --block-size 512 --seq 512 --batch 8 --device-memory 1.2GiB --host-memory 0.5; } 2>&1 \
                   | tee "$out/plan.log" || status=1 ;;
         bench) python3 "$repo/benchmarks/gpu_check.py" bench --json "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || status=1 ;;
+        scale) python3 "$repo/benchmarks/scale.py" --out "$out" ${SCALE_ARGS:-} 2>&1 | tee "$out/scale.log" || status=1 ;;
+        overhead) python3 "$repo/benchmarks/overhead.py" --device "${GPU_CHECK_DEVICE:-cuda}" --json "$out/overhead.json" \
+                      ${OVERHEAD_ARGS:-} 2>&1 | tee "$out/overhead.log" || status=1 ;;
         pytest:*) python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" ${PYTEST_ARGS:-} \
                       "$repo/${part#pytest:}" 2>&1 | tee "$out/pytest.log" | tail -40 || status=1 ;;
         *) echo "unknown part $part"; status=2 ;;

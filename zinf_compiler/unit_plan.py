@@ -18,8 +18,9 @@ a quarter of ``max_live_bytes`` / ``device_memory_limit``, where set).  So a
 transformer block moves as one all-gather in forward, one in backward and
 one reduce-scatter, like FSDP2's per-block groups, and a bucket is held no
 longer than its block runs.
-Tiled, integer and ``partition="broadcast"`` parameters move alone, and so
-does every parameter at world size 1 (no collective to save).
+Tiled, integer and ``partition="broadcast"`` parameters move alone.  World
+size 1 buckets too: it has no collective to save, but every unit costs the
+runtime's per-op work (benchmarks/overhead.py), so a block moves in one.
 The run-building rule itself (sharing a unit, the byte limit) is
 runtime/buckets.py's, which the optimizer's own collectives use too.
 """
@@ -44,8 +45,9 @@ def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
     """``slots`` (parameters in use order) grouped into buckets, in the same order (see runtime/buckets.py)."""
     slots = list(slots)
     layouts = [ctx.captured.layouts.get(slot) for slot in slots]
-    # World size 1 has no collective to save; a bucket's values would alias one buffer.
-    limit = ctx.options.bucket_bytes if ctx.captured.world_size > 1 else 0
+    # World size 1 too: no collective to save there, but each op call costs the runtime's Python work,
+    # so a block moves in one (its values stay apart: runtime/units.py's Unit.values_apart).
+    limit = ctx.options.bucket_bytes
     cap = ctx.captured.live_bytes_cap
     if cap is not None:
         # Under a device cap a bucket is at most a quarter of it: the next one is

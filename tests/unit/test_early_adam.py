@@ -20,11 +20,15 @@ import torch
 from zinf_compiler.runtime import param_plan, swap_layout
 from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
+from zinf_compiler.runtime.records import POOL_WAIT_SECONDS
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.store import ParamStore
 
 GROUP_NUMEL = 1024
 SHAPES = {"a": (5, 500), "b": (3, 7)}  # 2,500 elements: three sub-groups; 21: one
+# One block's worth for a bucket: many small parameters (biases, norms) and a few sub-grouped matrices, whose
+# simultaneous early steps fill their pool with one staging each (the fp16 GPT of test_mixed_precision did).
+BUCKET_SHAPES = {"w": (4, 64), **{f"s{i}": (64,) for i in range(20)}, **{f"m{i}": (64, 64) for i in range(4)}}
 
 
 @pytest.fixture(autouse=True)
@@ -36,13 +40,14 @@ def small_sub_groups(monkeypatch):
 class Side:
     """One store with its parameters on NVMe at stage 3 and an NvmeAdam over them, early or not."""
 
-    def __init__(self, folder, early: bool, param_dtype: str = "fp32", grads_in_ram: bool = False):
+    def __init__(self, folder, early: bool, param_dtype: str = "fp32", grads_in_ram: bool = False,
+                 shapes: dict = SHAPES):
         self.store = ParamStore(RUNTIME.comm)
         folder.mkdir()
         self.store.configure_offload(str(folder), 32 << 20, aio_block_size=1 << 20, aio_queue_depth=4,
                                      aio_threads=2)
         torch.manual_seed(0)
-        self.params = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in SHAPES.items()}
+        self.params = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in shapes.items()}
         self.records = {}
         for name, param in self.params.items():
             record = self.store.adopt(param, name, stage=3, partition="allgather", param_dtype=param_dtype,
@@ -55,11 +60,13 @@ class Side:
         if early:
             self.adam.early = EarlyAdam(self.adam, [(record, self.group) for record in self.records.values()])
 
-    def backward(self, grads: dict[str, torch.Tensor]) -> None:
-        """The backward graph's reduce ops, last parameter first."""
-        for name in reversed(list(grads)):
-            unit = self.store.unit([self.records[name]])
-            self.store.reduce_grad_start(unit, [grads[name]])
+    def backward(self, grads: dict[str, torch.Tensor], bucketed: bool = False) -> None:
+        """The backward graph's reduce ops, last parameter first; ``bucketed``: all in one unit (one reduce),
+        so that every parameter's early step starts at once."""
+        names = list(reversed(list(grads)))
+        for run in ([names] if bucketed else [[name] for name in names]):
+            unit = self.store.unit([self.records[name] for name in run])
+            self.store.reduce_grad_start(unit, [grads[name] for name in run])
             self.store.reduce_grad_wait(unit)
 
     def step(self, clipped: float | None = None) -> set:
@@ -113,9 +120,9 @@ def sides(tmp_path, request):
         side.close()
 
 
-def _grads(seed: int) -> dict[str, torch.Tensor]:
+def _grads(seed: int, shapes: dict = SHAPES) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    return {name: torch.randn(shape) for name, shape in SHAPES.items()}
+    return {name: torch.randn(shape) for name, shape in shapes.items()}
 
 
 def _assert_bit_equal(late: Side, early: Side) -> None:
@@ -143,6 +150,29 @@ def test_steps_taken_in_backward_equal_the_steps_after_it_bit_for_bit(sides, par
     assert early.adam.early.stats == {"started": 6, "committed": 6, "dropped": 0}
     assert early.store.pinned.in_use_bytes == 0 and early.adam.early.pool.in_use_bytes == 0
     assert early.store.transient["cpu"] == 0, "the gradient copies early steps hold are counted until used"
+
+
+@pytest.mark.timeout(120)
+def test_early_steps_started_together_by_one_bucket_finish_without_waiting_on_their_own_pool(sides):
+    """A bucket's gradients land in one reduce, so every parameter's early step starts at once, and their reads
+    can fill the pool before any update has the staging its bf16 parameter needs.  ``finish`` then gives back
+    the newest reads instead of waiting for room that only it could make (which took POOL_WAIT_SECONDS per
+    parameter, then dropped the step)."""
+    late, early = sides(param_dtype="bf16", shapes=BUCKET_SHAPES)
+    for step in range(2):
+        grads = _grads(step, BUCKET_SHAPES)
+        late.backward(grads)
+        early.backward(grads, bucketed=True)
+        started = time.perf_counter()
+        late.step()
+        assert early.step() == {r.uid for r in early.records.values()}, "every early step counts"
+        assert time.perf_counter() - started < POOL_WAIT_SECONDS / 2, "a step waited on the early pool"
+        _assert_bit_equal(late, early)
+        for side in (late, early):
+            side.zero_grad()
+    count = 2 * len(BUCKET_SHAPES)
+    assert early.adam.early.stats == {"started": count, "committed": count, "dropped": 0}
+    assert early.adam.early.pool.in_use_bytes == 0
 
 
 def test_a_gradient_arriving_after_the_early_step_voids_it_and_the_next_step_waits_for_the_last(sides):

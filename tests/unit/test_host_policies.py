@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zinf_compiler.optim_step import host_memory_bounded
-from zinf_compiler.runtime.copy_engine import CopyEngine
+from zinf_compiler.runtime.copy_engine import INLINE_COPY_BYTES, CopyEngine
 from zinf_compiler.runtime.trace import Tracer
 
 
@@ -34,7 +34,7 @@ def test_cores_are_busy_when_the_ranks_threads_cover_them(monkeypatch, threads, 
 def test_an_inline_copy_is_done_on_return_only_when_the_cores_are_busy(monkeypatch, busy):
     monkeypatch.setattr(CopyEngine, "cores_busy", staticmethod(lambda: busy))
     engine = CopyEngine(Tracer())
-    source = torch.randn(1 << 16)
+    source = torch.randn(INLINE_COPY_BYTES // 4 + 1)  # more than a small copy, which runs inline anyway
     target = torch.empty_like(source)
     work = engine.copy(target, source, "gg", "gather (local copy)", busy_cores_inline=True)
     if busy:
@@ -44,6 +44,17 @@ def test_an_inline_copy_is_done_on_return_only_when_the_cores_are_busy(monkeypat
         work.wait()
         assert torch.equal(target, source)
         assert engine._executor is not None  # it ran on the worker
+
+
+def test_a_small_copy_that_may_run_inline_does_so_on_idle_cores(monkeypatch):
+    """Handing a copy of a few KiB to the worker costs more than making it (copy_engine.INLINE_COPY_BYTES)."""
+    monkeypatch.setattr(CopyEngine, "cores_busy", staticmethod(lambda: False))
+    engine = CopyEngine(Tracer())
+    sources = [torch.randn(1000), torch.randn(10)]
+    targets = [torch.empty(1000), torch.empty(10)]
+    work = engine.copy(targets, sources, "gg", "gather (local copy)", busy_cores_inline=True)
+    assert work.done() and engine._executor is None
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
 
 
 def test_a_copy_that_may_not_run_inline_takes_the_worker_even_with_busy_cores(monkeypatch):

@@ -72,7 +72,7 @@ def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_wh
     ctx = _context(layouts, blocks, world, bucket_bytes, cap)
     groups = unit_plan.buckets(ctx, order)
     assert [slot for group in groups for slot in group] == list(order)
-    limit = bucket_bytes if world > 1 else 0
+    limit = bucket_bytes  # world size 1 too: it buckets to save the runtime's per-unit work
     if cap is not None:
         limit = min(limit, cap // 4)
     if limit == 0:
@@ -83,7 +83,8 @@ def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_wh
             assert len({blocks[slot] for slot in group}) == 1, group  # one block, or a run outside any
             assert all(can_share_unit(first, layouts[slot]) for slot in group), group
             assert sum(_gathered_bytes(layouts[slot]) for slot in group) <= limit
-            unit_of([layouts[slot] for slot in group])  # one collective can move it: raises otherwise
+            unit = unit_of([layouts[slot] for slot in group])  # one collective can move it: raises otherwise
+            assert unit.values_apart == (world == 1)  # world size 1: each value a tensor of its own
     for previous, group in zip(groups, groups[1:]):  # greedy: the next one could not have joined
         head, joining = layouts[previous[0]], layouts[group[0]]
         could_join = (limit > 0 and blocks[group[0]] == blocks[previous[-1]]
