@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .comm import DONE, Comm, MeshComm
-from .units import Segment, Unit
+from .units import Unit
 
 
 def start_gather(unit: Unit, local_parts: list[torch.Tensor], group: Comm, timeout: float | None):
@@ -58,7 +58,7 @@ def padded_rows(unit: Unit, flats: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     rows = []
     for piece, flat in zip(unit.pieces, flats):
-        if piece.segments != (Segment(0, piece.numel, 0, piece.width),):
+        if not piece.fills_its_columns:
             padded = torch.zeros(piece.width, dtype=torch.float32, device=unit.device)
             piece.scatter(flat, padded.view(1, -1))
             flat = padded

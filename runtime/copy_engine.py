@@ -68,6 +68,7 @@ class CopyWork:
             if not self._event.query():
                 with self._tracer.stall("wait copy"):
                     self._event.synchronize()
+            self._tensors = ()  # done: the memory it read and wrote may be reused
             return
         if self._future is not None:
             if not self._future.done():
@@ -86,9 +87,12 @@ class CopyWork:
         return self._future.done()
 
     def done(self) -> bool:
-        """Whether the copy has finished."""
+        """Whether the copy has finished (CUDA: then the tensors kept for it are let go)."""
         if self._event is not None:
-            return bool(self._event.query())
+            finished = bool(self._event.query())
+            if finished:
+                self._tensors = ()
+            return finished
         return self._future is None or self._future.done()
 
 

@@ -49,7 +49,11 @@ class ParamRecord(ParamLayout):
     # fp32 master of this rank's slice for device/cpu optimizer tiers (the
     # shard itself when they coincide); None for the nvme tier (swap files).
     master: torch.Tensor | None = None
-    grad_shard: torch.Tensor | None = None  # fp32 on the optimizer's device/cpu tier, accumulated
+    # fp32 on the optimizer's device/cpu tier, accumulated: read and set through ``grad_shard``.
+    _grad_shard: torch.Tensor | None = None
+    # A gradient shard still being copied off the device into pinned memory (a CopyWork on the copy
+    # engine's stream: backward goes on meanwhile); the first read of ``grad_shard`` waits for it.
+    grad_arriving: object = None
     # nvme optimizer tier: the accumulated fp32 gradient slice is in the swap
     # files ``grad.<uid>.<i>`` (one per optimizer sub-group) instead of memory;
     # its squared norm is kept for clipping, which scales it lazily by
@@ -74,6 +78,28 @@ class ParamRecord(ParamLayout):
     grad_listener: "weakref.ref | None" = None
 
     @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """The accumulated fp32 gradient shard (None: none), its copy off the device waited for."""
+        self._grad_landed()
+        return self._grad_shard
+
+    @grad_shard.setter
+    def grad_shard(self, value: torch.Tensor | None) -> None:
+        """Replace the gradient shard (None: drop it), after any copy still writing the old one."""
+        self._grad_landed()  # (a copy in flight still writes into the shard it replaces)
+        self._grad_shard = value
+
+    def receive_grad(self, shard: torch.Tensor, copy) -> None:
+        """``shard`` becomes the gradient shard once ``copy`` (its copy off the device, in flight) is done."""
+        self.grad_shard = shard
+        self.grad_arriving = copy
+
+    def _grad_landed(self) -> None:
+        arriving, self.grad_arriving = self.grad_arriving, None
+        if arriving is not None:
+            arriving.synchronize()
+
+    @property
     def ledger(self) -> Ledger:
         """The ledger of its model (``group.ledger``), where the parameter's bytes are counted."""
         return self.group.ledger
@@ -95,7 +121,7 @@ class ParamRecord(ParamLayout):
     @property
     def has_grad(self) -> bool:
         """Whether a gradient is accumulated (in memory or in the swap files)."""
-        return self.grad_shard is not None or self.grad_on_disk
+        return self._grad_shard is not None or self.grad_on_disk  # (no wait for a copy in flight)
 
 
 def grad_listener_of(record: ParamRecord):

@@ -51,7 +51,8 @@ def count_saved(nodes: list, inputs: list, ledger, process: Ledger,
     activations' handles (``is_handle``) are not counted.  Returns the bytes
     counted.
     """
-    skip = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    with torch._C.DisableTorchFunctionSubclass():  # (resting parameters: no Python call per storage read)
+        skip = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     total = 0
     for node in nodes:
         if _SAVED_KEY in node.metadata:

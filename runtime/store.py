@@ -15,6 +15,7 @@ tensors and ``torch.distributed``; no FX.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import queue
@@ -107,6 +108,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         self._claimed: dict[int, tuple] = {}
         self._dropped_claims: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
+        self._device_publishes: list = []  # copies of updated shards to the device in flight (CopyWork)
+        self._grads_to_host: collections.deque = collections.deque()  # gradient copies off the device (CopyWork)
         self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
         self._transfers = TransferTable()  # every fetch and reduce in flight, each in its state
         # Model group -> {(parameter uid, tile): a copy of its gathered value} while held (hold_gathers).

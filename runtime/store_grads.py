@@ -137,21 +137,37 @@ class GradientSteps:
                 self._swap_grad(record, collected)
             return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
+        whole = (start, stop) == (0, record.local_numel)
         if record.grad_shard is None:
-            if (private and (start, stop) == (0, record.local_numel) and reduced.dtype == torch.float32
-                    and reduced.device == grad_device):
+            if private and whole and reduced.dtype == torch.float32 and reduced.device == grad_device:
                 record.grad_shard = reduced  # already a copy of our own, in fp32 where the optimizer steps
-            elif (start, stop) == (0, record.local_numel):  # the whole shard: one copy, no zeroing first
+            elif whole and reduced.is_cuda and grad_device.type == "cpu":
+                self._grad_off_the_device(record, reduced, private)
+            elif whole:  # the whole shard: one copy, no zeroing first
                 record.grad_shard = reduced.to(device=grad_device, dtype=torch.float32, copy=True)
             else:
                 record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
                 record.grad_shard[start:stop].copy_(reduced)
-            self._add_resting(tier_memory(record.opt_tier), nbytes_of(record.grad_shard), ledger=record.ledger)
+            self._add_resting(tier_memory(record.opt_tier), nbytes_of(record._grad_shard), ledger=record.ledger)
         else:
             record.grad_shard[start:stop].add_(reduced.to(grad_device))
         listener = grad_listener_of(record)
         if listener is not None and listener.arrival(record, piece.tile):
             listener.start(record, record.grad_shard, owned=False)
+
+    def _grad_off_the_device(self, record: ParamRecord, reduced: torch.Tensor, private: bool) -> None:
+        """A whole gradient shard to host memory without blocking the host (ZeRO-Offload's gradients leaving
+        the device as each bucket is reduced): into pinned memory on the copy engine's stream, while backward
+        goes on.  The record's ``grad_shard`` waits for the copy when first read (the optimizer step)."""
+        # Memory the graph handed over may be reused by it once this op returns: copied first, on the device.
+        # That copy is held until the copy off the device is done: the ones done by now are let go here.
+        while self._grads_to_host and self._grads_to_host[0].done():
+            self._grads_to_host.popleft()
+        source = reduced if private else reduced.clone()
+        shard = torch.empty(record.local_numel, dtype=torch.float32, pin_memory=True)
+        copy = self.copier.copy(shard, source, "grads", f"gradient of {record.name} to host")
+        self._grads_to_host.append(copy)
+        record.receive_grad(shard, copy)
 
     def _bucketed(self, records: list[ParamRecord]) -> list[Unit]:
         """Units of ``records`` for the optimizer's own collectives: buckets of up to ``bucket_bytes`` gathered."""

@@ -36,6 +36,15 @@ class PublishSteps:
                     staging.release()
                     raise
                 self._publish_writes.append((requests, staging))
+        elif master is not record.shard and record.shard.is_cuda and not master.is_cuda:
+            # A host master (cpu optimizer tier) back to a shard resting on the device: cast on the host into
+            # pinned memory and copied on the copy engine's stream, without blocking the host; finish_publish
+            # orders the device's later work after it (torch's pinned allocator keeps the staging until the
+            # copy is done).
+            staging = torch.empty(record.local_numel, dtype=record.compute_dtype, pin_memory=True)
+            staging.copy_(master)
+            self._device_publishes.append(self.copier.copy(record.shard, staging, "publish",
+                                                           f"{record.name} to the device"))
         elif master is not record.shard:
             record.shard.copy_(master)
 
@@ -45,8 +54,12 @@ class PublishSteps:
             finish_oldest_write(self._publish_writes)
 
     def finish_publish(self) -> None:
-        """Wait for the parameter writes :meth:`publish` started (before their transaction ends)."""
+        """Wait for the parameter writes :meth:`publish` started (before their transaction ends), and order the
+        device's later work after its copies to the device (a stream wait: the host goes on)."""
         self._drain_publish_writes(0)
+        copies, self._device_publishes = self._device_publishes, []
+        for copy in copies:
+            copy.wait()
 
     def refresh_full_params(self, records: Iterable[ParamRecord]) -> None:
         """Stages 1 and 2 keep full parameters: rebuild them from the updated shards."""

@@ -180,6 +180,11 @@ class Piece:
                              layout.tile_local_range(tile)[0], layout.tile_shard_numel(tile))
                      for tile in range(len(layout.tile_rows)))
 
+    @functools.cached_property
+    def fills_its_columns(self) -> bool:
+        """Whether the piece's flat value is its columns' row as it is: one segment, no padding."""
+        return self.segments == (Segment(0, self.numel, 0, self.width),)
+
     def assemble(self, columns: torch.Tensor) -> torch.Tensor:
         """The piece's value from its columns of the gathered matrix (contiguous; a view where it can be)."""
         parts = [columns[:, s.column : s.column + s.width].reshape(-1)[: s.numel] for s in self.segments]

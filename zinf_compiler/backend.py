@@ -264,8 +264,10 @@ def _run_time_wrapper(compiled: Callable, captured: CapturedGraph) -> Callable:
             for slot in unseen:
                 records[slot] = _adopt_at_run_time(captured, slot, args[slot])
         if captured.options.stage >= 2:
-            for slot, record in records.items():
-                claim_grad_hooks(args[slot], record.name, tiled=record.tile_rows is not None)
+            # (A resting parameter's __torch_function__ would run for each attribute read: a Python call each.)
+            with torch._C.DisableTorchFunctionSubclass():
+                for slot, record in records.items():
+                    claim_grad_hooks(args[slot], record.name, tiled=record.tile_rows is not None)
         return Binding(records, captured.graph_id, RUNTIME.store, RUNTIME.activations)
 
     def run(*args):
