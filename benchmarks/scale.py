@@ -66,10 +66,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
 # name -> the GPT's sizes, the batch, activation checkpointing.  Sized for one H200 (139 GiB, 128 GiB of RAM,
-# 64 GiB of disk): 1b fits every system; 10b's states (16 bytes a parameter, 158 GB) exceed the GPU.
+# 64 GiB of disk): 1b fits every system; 5b's host states (80 GB) fit the RAM; 10b's states (16 bytes a
+# parameter, 158 GB) exceed the GPU, and with fp32 gradients on the host (18 bytes a parameter in all) need
+# most of the RAM and the disk together (see _nvme_options).
 RUNGS: dict[str, dict] = {
     "1b": dict(n_layer=20, n_embd=2048, n_head=16, vocab=50304, seq=2048, batch=16, checkpointing="none"),
     "3b": dict(n_layer=26, n_embd=3072, n_head=24, vocab=50304, seq=2048, batch=16, checkpointing="block"),
+    "5b": dict(n_layer=24, n_embd=4096, n_head=32, vocab=50304, seq=2048, batch=16, checkpointing="block"),
     "10b": dict(n_layer=48, n_embd=4096, n_head=32, vocab=50304, seq=2048, batch=32, checkpointing="block"),
     # The same code paths at sizes the 2-core CPU machine trains in seconds (GPU_CHECK_DEVICE=cpu).
     "toy": dict(n_layer=2, n_embd=64, n_head=4, vocab=256, seq=32, batch=4, checkpointing="none"),
@@ -405,6 +408,10 @@ def _cannot_run(system: str, rung: dict, device: torch.device, rates: dict) -> s
         host = _host_memory_bytes()
         if system in ("zinf_cpu", "zinf_opt_cpu", "fsdp2_cpu", "ds_cpu") and 16 * params > 0.85 * host:
             return f"its host states ({16 * params / 1e9:.0f} GB) do not fit the RAM ({host / 1e9:.0f} GB)"
+    if system == "zinf_nvme":
+        why_not = _nvme_options(params, os.environ.get("SCALE_NVME", tempfile.gettempdir()), device)[1]
+        if why_not:
+            return why_not
     if system.startswith("ds_"):
         try:
             import deepspeed  # noqa: F401
@@ -416,6 +423,31 @@ def _cannot_run(system: str, rung: dict, device: torch.device, rates: dict) -> s
         if not AsyncIOBuilder().is_compatible():
             return "DeepSpeed's async_io op cannot build here (libaio missing)"
     return None
+
+
+def _nvme_options(params: int, nvme: str, device: torch.device) -> tuple[dict, str | None]:
+    """zinf_nvme's options beyond the tiers, sized to this machine's RAM and disk, or why it cannot run.
+
+    Parameters rest on the device (bf16); the fp32 master and moments (12 bytes a parameter) on NVMe, with two
+    copies on disk where the early step's held writes fit (``nvme_copies``); where the disk cannot hold them
+    all, the RAM cache keeps what the disk cannot (``ram_cache_bytes``), and the fp32 gradients (4 bytes a
+    parameter) stay in RAM up to a quarter of the usable RAM (``nvme_grad_ram_bytes``), the rest on disk.
+    Usable: 70% of the RAM (the rest: the process, pinned pools, page cache), 80% of the free disk.
+    """
+    if device.type != "cuda":
+        return {}, None  # toy sizes: the defaults
+    states, grads = 12 * params, 4 * params
+    usable_ram, usable_disk = 0.70 * _host_memory_bytes(), 0.80 * shutil.disk_usage(nvme).free
+    if 2 * states + grads <= usable_disk:
+        return {}, None  # everything on NVMe, as DeepSpeed's nvme offload puts it
+    grad_ram = min(grads, usable_ram / 4)
+    cached = usable_ram - grad_ram
+    for copies in (2, 1):
+        if copies * max(states - cached, 0) + (grads - grad_ram) <= usable_disk:
+            return {"ram_cache_bytes": int(min(cached, states)), "nvme_grad_ram_bytes": int(grad_ram),
+                    "nvme_copies": copies}, None
+    return {}, (f"its host states ({(states + grads) / 1e9:.0f} GB: fp32 master, moments and gradients) exceed "
+                f"the usable RAM and disk together ({usable_ram / 1e9:.0f} + {usable_disk / 1e9:.0f} GB)")
 
 
 def _host_memory_bytes() -> int:
@@ -529,8 +561,7 @@ def _setup_zinf(model, system, rung, device, rates, nvme, first_batch):
     if rung["checkpointing"] != "none":
         options["activation_checkpointing"] = rung["checkpointing"]
     if system == "zinf_nvme":
-        # The RAM cache keeps what fits in half the RAM; the rest of the states stream from NVMe.
-        options.update(nvme_path=nvme, host_memory=0.5)
+        options.update(nvme_path=nvme, **_nvme_options(param_count(rung), nvme, device)[0])
     extra = {"options": {k: v for k, v in options.items() if k != "nvme_path"}}
     profile = MachineProfile(device=str(device), dtype="bfloat16", matmul_flops=rates["matmul_flops"],
                              memory_bandwidth=rates["host_to_device"] * 20 if device.type == "cuda" else 12e9,

@@ -196,8 +196,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
         return records[0].group.collective_timeout if records else None
 
     def _reduce_full_grads(self) -> None:
-        """Average the gradients no graph averaged: stage 1's, and those of parameters no graph used."""
-        self._store.reduce_full_grads([r for r in self._records() if r.stage == 1])
+        """Average the gradients no graph averaged: stage 1's, those of parameters no graph used, and any
+        full gradient a stage-2 parameter holds in ``param.grad`` (its graph ran without the partition pass,
+        or it was set by hand): never ignored, it is reduced into the shard as stage 1's are."""
+        self._store.reduce_full_grads([r for r in self._records()
+                                       if r.stage == 1 or (r.stage == 2 and r.param.grad is not None)])
         average_uncaptured_grads(self._memory_slots(), self._mesh(), self._collective_timeout())
 
     # --- the torch.optim.Optimizer interface -------------------------------------

@@ -423,6 +423,11 @@ def parse_options(
                 raise ZinfOptionError(
                     f"disable_passes names unknown pass {pass_name!r}; passes are: {', '.join(known_passes)}"
                 )
+    if "partition" in values["disable_passes"] and values["stage"] == 3:
+        raise ZinfOptionError(
+            "disable_passes=['partition'] at stage=3: the partition pass is what gathers each parameter before "
+            "its use, and at stage 3 a parameter holds no memory between uses; look at graphs without the pass "
+            "at stage 2 or lower (their gradients then reach param.grad, and the optimizer reduces them there)")
     if values["offload_param"] != "none" and values["stage"] != 3:
         raise ZinfOptionError(
             f"offload_param={values['offload_param']!r} needs stage=3 (at stages 0-2 every rank keeps full "

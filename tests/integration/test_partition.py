@@ -9,6 +9,7 @@ import torch
 import zinf_compiler as zinf
 from zinf_compiler.dump import read_index
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+from zinf_compiler.options import ZinfOptionError, parse_options
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -61,10 +62,9 @@ def test_partition_disabled_by_name_leaves_stage_2_graphs_unpartitioned_and_equa
     # Stage 2, where the pass has work: with it, backward reduces every gradient into the store and returns
     # None for it (param.grad stays None, test above). Disabled by name, the graphs keep no zinf op and
     # backward returns the full gradients into param.grad, as eager autograd does. (Stage 0, at world size 1,
-    # would look the same with the pass or without it.) Only the graphs and their gradients are checked: at
-    # stage 3 the unpartitioned graph reads storage-less parameters and torch raises (setStorage ... storage of
-    # size 0), and a zinf optimizer step at stage 2 does not take these param.grad (it steps away from eager's);
-    # neither is documented behaviour, so neither is pinned here.
+    # would look the same with the pass or without it.) The zinf optimizer reduces those param.grad into its
+    # shards as stage 1's, so a step equals eager's (it ignored them before: no parameter moved). Stage 3
+    # without the pass is refused when the options are read (test below).
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
     eager = copy.deepcopy(model)
@@ -89,6 +89,22 @@ def test_partition_disabled_by_name_leaves_stage_2_graphs_unpartitioned_and_equa
     for (name, param), eager_param in zip(model.named_parameters(), eager.parameters()):
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, eager_param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    opt = zinf.optim.SGD(model.parameters(), lr=1.0)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=1.0)
+    opt.step()
+    eager_opt.step()
+    for (name, param), eager_param in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.detach(), eager_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert all(param.grad is None for param in model.parameters())  # taken into the shards
+
+
+def test_partition_disabled_at_stage_3_is_refused_naming_the_option():
+    refusal = r"disable_passes=\['partition'\] at stage=3"
+    with pytest.raises(ZinfOptionError, match=refusal):
+        parse_options({"stage": 3, "disable_passes": ["partition"]})
+    compiled = torch.compile(GPT(GPTConfig(**TINY)), backend="zinf", options={"stage": 3, "disable_passes": ["partition"]})
+    with pytest.raises(Exception, match=refusal):  # (torch.compile wraps it in BackendCompilerFailed)
+        compiled(*synthetic_batches(GPTConfig(**TINY), 2, 1)[0])
 
 
 _ASSIGNMENT = re.compile(r"^\s*(\w+)(?::[^=]*)? = (torch\.ops\.[\w.]+|\w+\[\d+\])\(?([^;]*)")
