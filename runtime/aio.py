@@ -21,7 +21,7 @@ Files.  ``AioEngine(folder)`` makes a private folder (mode 0700)
 ``nvme_path``), where ``<owner>`` identifies the process beyond its pid (its
 start time, pid namespace, boot and host; see :func:`remove_stale_folders`);
 each key is one file in it (mode 0600), opened with ``O_DIRECT`` so the page
-cache is bypassed.  A filesystem that refuses ``O_DIRECT`` (tmpfs) gets
+cache is bypassed.  A filesystem that refuses ``O_DIRECT`` (tmpfs before Linux 6.6) gets
 buffered I/O with ``posix_fadvise(DONTNEED)`` instead; ``engine.direct``
 says which.  The folder is removed by ``close()``, when the engine is
 garbage collected, at interpreter exit (SIGINT included) and on a SIGTERM

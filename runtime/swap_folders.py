@@ -271,7 +271,7 @@ def _swap_file_error(action: str, folder: str, err: OSError) -> AioError:
 
 
 def probe_direct(folder: str) -> bool:
-    """Whether the filesystem under ``folder`` accepts O_DIRECT (tmpfs does not)."""
+    """Whether the filesystem under ``folder`` accepts O_DIRECT (tmpfs does only since Linux 6.6)."""
     if not hasattr(os, "O_DIRECT"):
         return False
     path = os.path.join(folder, "probe-o-direct")
