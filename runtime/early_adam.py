@@ -23,9 +23,8 @@ after backward as before, from its gradient (still on disk or in RAM).  So
 the result never depends on the guess; only the speed does.
 
 Which arrival to step at: the last one of the step before (a parameter two
-graphs use gets two per step; accumulating k micro-batches, k).  After a
-step that clipped, nothing is stepped early: clipping tends to repeat, and a
-dropped step costs its disk traffic twice.
+graphs use gets two per step; accumulating k micro-batches, k), by
+runtime/arrivals.py's rule, which the host-memory early step shares.
 
 No thread: the pipeline moves on at the store's transfer points during
 backward (:meth:`EarlyAdam.advance`), which never waits, and while the graph
@@ -57,6 +56,7 @@ import weakref
 
 import torch
 
+from .arrivals import Arrivals
 from .fetched_masters import FetchedMasters, try_acquire
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
@@ -118,10 +118,7 @@ class EarlyAdam:
         self.groups_by_uid = {record.uid: group for record, group in records_and_groups}
         self.jobs: dict[int, _Job] = {}  # uid -> its current early step
         self.dropped: list[_Job] = []  # cancelled jobs still settling their transfers
-        self.arrivals: dict[int, int] = {}  # uid -> gradients added since the last step
-        self.expected: dict[int, int] = {}  # uid -> gradients the last step had
-        self.tiles: dict[int, set] = {}  # uid -> tiles added in the current arrival
-        self.skip_next = False  # the last step clipped: no early steps this time
+        self.arrivals = Arrivals()  # which arrival of each gradient to step at (runtime/arrivals.py)
         self.pool: PinnedPool | None = None
         self.fetched_masters = FetchedMasters(nvme_adam.store.comm.tracer)
         self.stats = {"started": 0, "committed": 0, "dropped": 0}
@@ -141,22 +138,16 @@ class EarlyAdam:
         Any early step of ``record`` started before is void from here on.
         """
         self._cancel(record.uid)
-        if tile is not None:
-            seen = self.tiles.setdefault(record.uid, set())
-            seen.add(tile)
-            if len(seen) < len(record.tile_rows):
-                return False
-            del self.tiles[record.uid]
-        count = self.arrivals[record.uid] = self.arrivals.get(record.uid, 0) + 1
-        if self.skip_next or count != self.expected.get(record.uid, 1):
-            return False
-        return record.uid in self.groups_by_uid and record.owns_state
+        return self.arrivals.arrived(record, tile) and record.uid in self.groups_by_uid and record.owns_state
 
-    def start(self, record, grad: torch.Tensor, owned: bool) -> None:
+    def start(self, record, grad: torch.Tensor, owned: bool, ready=None) -> None:
         """Step ``record`` early with its whole local gradient ``grad`` (fp32, CPU; read, never written).
 
         ``owned``: ``grad`` is a copy made for this step, counted as transient CPU memory until used.
+        ``ready``: the copy still bringing ``grad`` off the device, waited for here (or None).
         """
+        if ready is not None:
+            ready.synchronize()
         steps = self.nvme_adam.steps.get(record.uid, 0)
         groups = sub_group_plan(record)
         if owned:
@@ -169,7 +160,7 @@ class EarlyAdam:
     def fetched_master(self, record, staging, offset: int, reads) -> None:
         """The graph's fetch read ``record``'s fp32 master (``reads``: its (key, element offset, elements) at
         byte ``offset`` of the pinned ``staging``): keep it for the early step, if one may come."""
-        if (self.reuse_fetched_masters and not self.skip_next and record.uid in self.groups_by_uid
+        if (self.reuse_fetched_masters and not self.arrivals.skip_next and record.uid in self.groups_by_uid
                 and record.owns_state and record.params_in_master):
             self.fetched_masters.offer(self._pool(), record, staging, offset, reads)
 
@@ -181,8 +172,7 @@ class EarlyAdam:
     def gradients_dropped(self, record) -> None:
         """``opt.zero_grad()``: the gradient is gone, and so is any step taken from it."""
         self._cancel(record.uid)
-        self.arrivals.pop(record.uid, None)
-        self.tiles.pop(record.uid, None)
+        self.arrivals.dropped(record.uid)
 
     def _cancel(self, uid: int) -> None:
         job = self.jobs.pop(uid, None)
@@ -420,10 +410,7 @@ class EarlyAdam:
         self.stats["committed"] += len(committed)
         self.stats["dropped"] += len(self.jobs) - len(committed)
         self.jobs = {}
-        self.expected.update(self.arrivals)
-        self.arrivals = {}
-        self.tiles = {}
-        self.skip_next = clipped
+        self.arrivals.stepped(clipped)
         return committed
 
 

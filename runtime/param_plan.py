@@ -75,7 +75,8 @@ class ParamPlan:
     # Stages 1-2 at world size 1, untiled, on the device in the parameter's own dtype, not read from a file:
     # the shard is the parameter's storage itself (the step updates it in place).
     shard_is_param: bool
-    # The optimizer steps it during backward as its gradient lands (option overlap_optimizer; early_adam.py).
+    # The optimizer steps it during backward as its gradient lands (option overlap_optimizer): state on NVMe
+    # (early_adam.py) or in host memory (early_host_adam.py).
     step_in_backward: bool
 
     @property
@@ -210,16 +211,20 @@ def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, device: to
                            for tile, ((start, _), n) in enumerate(zip(tile_local_ranges, tile_shard_numels)))
     shard_is_param = (stage in (1, 2) and world_size == 1 and allgather and tile_rows is None
                       and param_tier == "device" and not exact and compute_dtype == dtype and not from_file)
+    # Where the optimizer may step during backward: state on NVMe (early_adam.py), or in host memory at
+    # stages 2-3, whose gradients land in the store during backward (early_host_adam.py).
+    nvme_early = stage == 3 and param_tier == "nvme" and opt_tier == "nvme" and nvme_copies == 2
+    host_early = stage >= 2 and opt_tier == "cpu"
     if step_in_backward == "auto":
-        # On: with the compute on an accelerator the CPU and the disk idle through backward.
+        # NVMe: on. With the compute on an accelerator the CPU and the disk idle through backward.
         # On a CPU device too since the gradients stay in RAM by default (nvme_grad_ram_bytes
         # "auto"): backward then writes no gradients, and the early step's reads and writes fill
         # the idle disk (1.04-1.29x at world 2, 1.02-1.32x at world 1 in three runs;
-        # benchmarks/RESULTS.md, session 17). Session 13, with every gradient written to disk,
-        # measured -12% to +10%.
-        step_in_backward = True
-    step_in_backward = bool(step_in_backward and stage == 3 and param_tier == "nvme" and opt_tier == "nvme"
-                            and not exact and requires_grad and nvme_copies == 2)
+        # benchmarks/RESULTS.md, 2026-11-25). With every gradient written to disk it measured -12% to +10%.
+        # Host memory: on beside an accelerator only, whose backward leaves the host's cores idle; on a CPU
+        # device the backward uses them all, and the step's copies would take them from it.
+        step_in_backward = nvme_early or (host_early and torch.device(device).type != "cpu")
+    step_in_backward = bool(step_in_backward and (nvme_early or host_early) and not exact and requires_grad)
     return ParamPlan(uid=uid, shape=shape, dtype=dtype, device=torch.device(device), compute_dtype=compute_dtype,
                      stage=stage, partition=partition, world_size=world_size, rank=rank,
                      owner=owner if not allgather else None, param_tier=param_tier, opt_tier=opt_tier,

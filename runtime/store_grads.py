@@ -153,7 +153,8 @@ class GradientSteps:
             record.grad_shard[start:stop].add_(reduced.to(grad_device))
         listener = grad_listener_of(record)
         if listener is not None and listener.arrival(record, piece.tile):
-            listener.start(record, record.grad_shard, owned=False)
+            # (The gradient may still be copying off the device: the listener waits for it where it reads it.)
+            listener.start(record, record._grad_shard, owned=False, ready=record.grad_arriving)
 
     def _grad_off_the_device(self, record: ParamRecord, reduced: torch.Tensor, private: bool) -> None:
         """A whole gradient shard to host memory without blocking the host (ZeRO-Offload's gradients leaving

@@ -33,6 +33,7 @@ import torch
 
 from zinf_compiler.runtime.aio import AioError
 from zinf_compiler.runtime.early_adam import EarlyAdam
+from zinf_compiler.runtime.early_host_adam import EarlyHostAdam
 from zinf_compiler.runtime.host_memory import trim
 from zinf_compiler.runtime.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.store import ParamRecord
@@ -40,9 +41,11 @@ from zinf_compiler.api import RUNTIME
 
 from . import torch_patches
 from zinf_compiler.runtime.model_group import agree_on_skip
-from .optim_state import NVME_MOMENTS, Slot, StreamedState, count_state_bytes, read_moment, unaccount_state, write_moment
+from .optim_state import (NVME_MOMENTS, Slot, StreamedState, account_state, count_state_bytes, read_moment,
+                          unaccount_state, write_moment)
 from .optim_step import (average_uncaptured_grads, clip_grad_norm, host_memory_bounded, invalidate_unwritten,
-                         make_inner, params_not_written, publish_unwritten, step_and_publish, step_nvme)
+                         make_early_host, make_inner, params_not_written, publish_unwritten,
+                         put_early_steps_in_place, step_and_publish, step_nvme)
 
 __all__ = ["AdamW", "Adam", "SGD", "ZinfOptimizer", "Slot", "StreamedState"]
 
@@ -74,6 +77,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._slots: list[list[Slot]] = []
         self._nvme_slots: list[tuple[Slot, int]] = []  # (slot, param group index): state in swap files
         self._nvme: NvmeAdam | None = None
+        self._early_host: EarlyHostAdam | None = None  # host-memory slots stepped during backward
         self._pending_state: dict | None = None  # loaded before any parameter was sharded (see load_state_dict)
         # zinf.load's saved state (see attach_state): applied when the optimizer binds, and
         # again if it binds anew before its first step (parameters adopted after the load).
@@ -132,6 +136,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             # Bound early (state_dict() before any forward) with nothing stepped yet: bind again
             # (a loaded checkpoint is applied again, to the new binding).
             self._inner, self._slots, self._nvme_slots, self._nvme = None, [], [], None
+            self._early_host = None
             self._saved_state_applied = False
         inner_groups = []
         for group_index, group in enumerate(self.param_groups):
@@ -166,9 +171,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
                      if slot.record.step_in_backward]
             if early:
                 self._nvme.early = EarlyAdam(self._nvme, early)
+        self._early_host = make_early_host(self._store, self.inner_class, self._inner, self._slots, self.param_groups)
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self._load_inner(pending)
+
 
     def slots(self) -> list[Slot]:
         """Every slot, the nvme-tier ones included (empty until bound)."""
@@ -196,9 +203,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         return records[0].group.collective_timeout if records else None
 
     def _reduce_full_grads(self) -> None:
-        """Average the gradients no graph averaged: stage 1's, those of parameters no graph used, and any
-        full gradient a stage-2 parameter holds in ``param.grad`` (its graph ran without the partition pass,
-        or it was set by hand): never ignored, it is reduced into the shard as stage 1's are."""
+        """Average the gradients no graph averaged: stage 1's, those of parameters no graph used, and a stage-2
+        parameter's ``param.grad`` (its graph ran without the partition pass, or set by hand: never ignored)."""
         self._store.reduce_full_grads([r for r in self._records()
                                        if r.stage == 1 or (r.stage == 2 and r.param.grad is not None)])
         average_uncaptured_grads(self._memory_slots(), self._mesh(), self._collective_timeout())
@@ -272,8 +278,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
             # First the state on disk, as one transaction: on an I/O error the
             # inner optimizer's state has not been touched yet.
             step_nvme(self._nvme, self._nvme_slots, self.param_groups, self._clipped)
+        stepped_early = put_early_steps_in_place(self._early_host, self._inner, self._memory_slots(), self._clipped)
         try:
-            step_and_publish(self._store, self._inner, self._memory_slots())
+            step_and_publish(self._store, self._inner, self._memory_slots(), stepped_early)
         except AioError as err:
             # The in-memory step is complete (failed writes inside the transaction
             # only surface at its end); the parameters on disk are the previous
@@ -432,24 +439,15 @@ class ZinfOptimizer(torch.optim.Optimizer):
     # --- accounting --------------------------------------------------------------
 
     def state_bytes(self, params: set[int] | None = None) -> dict[str, int]:
-        """Bytes of optimizer state per tier for ``params`` (ids), or all.
-
-        Counts the moments (and step counters) the inner optimizer holds, on
-        the device or the CPU, and the moments in NVMe swap files.
-        Separate fp32 masters are the store's (see ``memory_report``).
-        """
+        """Bytes of optimizer state per tier for ``params`` (ids), or all: the moments (and step counters) the
+        inner optimizer holds, on the device or the CPU, and those in NVMe swap files.  Separate fp32 masters
+        are the store's (see ``memory_report``)."""
         return count_state_bytes(self._inner, self._memory_slots(), self._nvme,
                                  [slot for slot, _ in self._nvme_slots], params)
 
     def _account_state(self) -> None:
         """Count the moments' bytes in the ledger of each parameter's model group (the change since last)."""
-        params = [param for param_group in self.param_groups for param in param_group["params"]]
-        for group, members in self._store.params_by_group(params):
-            held = self.state_bytes({id(param) for param in members})
-            counted = self._state_bytes.setdefault(id(group), [group, {"device": 0, "cpu": 0}])[1]
-            for tier in ("device", "cpu"):
-                self._store.add_optimizer_bytes(tier, held[tier] - counted[tier], ledger=group.ledger)
-                counted[tier] = held[tier]
+        account_state(self._store, self._params(), self.state_bytes, self._state_bytes)
 
 
 class AdamW(ZinfOptimizer):

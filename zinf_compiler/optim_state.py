@@ -87,3 +87,15 @@ def unaccount_state(store: ParamStore, state_bytes: dict[int, list]) -> None:
         for tier, nbytes in per_tier.items():
             store.add_optimizer_bytes(tier, -nbytes, ledger=group.ledger)
             per_tier[tier] = 0
+
+
+def account_state(store: ParamStore, params, state_bytes, counted_by_group: dict) -> None:
+    """Count the optimizer state's bytes of ``params`` in the ledger of each one's model group: the change since
+    the last count (``counted_by_group``: id(group) -> [group, {tier: bytes counted}]); ``state_bytes(ids)`` is
+    the optimizer's figure for those parameters."""
+    for group, members in store.params_by_group(list(params)):
+        held = state_bytes({id(param) for param in members})
+        counted = counted_by_group.setdefault(id(group), [group, {"device": 0, "cpu": 0}])[1]
+        for tier in ("device", "cpu"):
+            store.add_optimizer_bytes(tier, held[tier] - counted[tier], ledger=group.ledger)
+            counted[tier] = held[tier]

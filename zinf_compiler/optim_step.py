@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 
 from zinf_compiler.runtime.aio import AioError
+from zinf_compiler.runtime.early_host_adam import EarlyHostAdam
+from zinf_compiler.runtime.host_memory import available_bytes
 from zinf_compiler.runtime.store import ParamStore
 
 from .optim_state import Slot
@@ -130,19 +133,23 @@ def step_nvme(nvme, nvme_slots: list[tuple[Slot, int]], param_groups: list[dict]
         raise
 
 
-def step_and_publish(store: ParamStore, inner: torch.optim.Optimizer, slots: list[Slot]) -> None:
+def step_and_publish(store: ParamStore, inner: torch.optim.Optimizer, slots: list[Slot],
+                     stepped_early: set[int] = frozenset()) -> None:
     """Step the in-memory masters of ``slots`` and write them back to their parameter tier.
 
     With parameters on NVMe the inner optimizer steps ~PUBLISH_CHUNK_BYTES
     of masters at a time, and each chunk's writes run while the next
     chunk steps (state is per parameter, so stepping a subset is the same
     arithmetic).  The writes form one transaction: all land or none.
+    ``stepped_early``: ids of slots already stepped (during backward): only written back.
     """
-    if not any(slot.record is not None and slot.record.param_tier == "nvme" for slot in slots):
-        chunks = [slots]
+    late = [slot for slot in slots if id(slot) not in stepped_early]
+    early = [slot for slot in slots if id(slot) in stepped_early]
+    if not any(slot.record is not None and slot.record.param_tier == "nvme" for slot in late):
+        chunks = [late]
     else:
         chunks, chunk, chunk_bytes = [], [], 0
-        for slot in slots:
+        for slot in late:
             chunk.append(slot)
             chunk_bytes += slot.master.numel() * slot.master.element_size()
             if chunk_bytes >= PUBLISH_CHUNK_BYTES:
@@ -151,8 +158,11 @@ def step_and_publish(store: ParamStore, inner: torch.optim.Optimizer, slots: lis
         chunks.append(chunk)
     with swap_transaction(slot.record for slot in slots if slot.record is not None):
         try:
+            for slot in early:
+                if slot.record is not None and slot.record.stage > 0:
+                    store.publish(slot.record, slot.master)
             for chunk in chunks:
-                with _stepping_only(inner, chunk if len(chunks) > 1 else None):
+                with _stepping_only(inner, chunk if len(chunks) > 1 or early else None):
                     inner.step()
                 for slot in chunk:
                     if slot.record is not None and slot.record.stage > 0:
@@ -208,6 +218,49 @@ def make_inner(inner_class: type[torch.optim.Optimizer], defaults: dict, inner_g
         inner = inner_class(inner_groups)  # fused unsupported for these tensors
     inner._zinf_inner = True  # steps zinf's masters: not refused by torch_patches.refuse_foreign_optimizers
     return inner
+
+
+def make_early_host(store: ParamStore, inner_class: type, inner: torch.optim.Optimizer, slots: list[list[Slot]],
+                    param_groups: list[dict]) -> EarlyHostAdam | None:
+    """The early step of the slots whose state rests in host memory and may step during backward (option
+    overlap_optimizer; ``slots``: per param group), or None.  Only over torch's fused Adam/AdamW: the early
+    step runs that kernel, and is bit-equal to the step after backward only if that step runs it too."""
+    early = [(slot.record, param_groups[index]) for index, group_slots in enumerate(slots) for slot in group_slots
+             if slot.record is not None and slot.record.opt_tier == "cpu" and slot.record.step_in_backward]
+    if not early or inner_class not in (torch.optim.Adam, torch.optim.AdamW) or not inner.defaults.get("fused"):
+        return None
+    masters = {slot.record.uid: slot.master for group_slots in slots for slot in group_slots if slot.record is not None}
+    inner_ref = weakref.ref(inner)  # (the early step keeps no optimizer alive)
+
+    def state_of(record):
+        optimizer = inner_ref()
+        state = optimizer.state.get(masters[record.uid]) if optimizer is not None else None
+        if not state or "exp_avg" not in state:
+            return None  # before its first step: torch makes the moments there
+        return masters[record.uid], state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+    # The stepped copies take 12 bytes a parameter until opt.step(): at most a quarter of the memory free now.
+    return EarlyHostAdam(store, inner_class is torch.optim.AdamW, early, state_of, (available_bytes() or 0) // 4)
+
+
+def put_early_steps_in_place(early_host: EarlyHostAdam | None, inner: torch.optim.Optimizer, slots: list[Slot],
+                             clipped: bool) -> set[int]:
+    """At ``opt.step()``: the host-memory slots stepped during backward whose steps count get their stepped
+    master and moments as their state; returns the ids of those slots (the others step after backward)."""
+    if early_host is None:
+        return set()
+    stepped = early_host.commit(clipped)
+    done = set()
+    for slot in slots:
+        taken = stepped.get(slot.record.uid) if slot.record is not None else None
+        if taken is None:
+            continue
+        master, exp_avg, exp_avg_sq, step = taken
+        slot.master.data = master  # (the same tensor object: the inner optimizer's key and the record's)
+        state = inner.state[slot.master]
+        state["exp_avg"], state["exp_avg_sq"], state["step"] = exp_avg, exp_avg_sq, step
+        done.add(id(slot))
+    return done
 
 
 def invalidate_unwritten(slots: list[Slot]) -> tuple[Slot, ...]:

@@ -275,11 +275,14 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
                "cpu tier (the rest stream from NVMe), instead of host_memory's quarter-headroom rule; zinf.plan "
                "sets it to what its host_memory budget leaves"),
     OptionSpec("overlap_optimizer", "auto", _or_keyword("auto", _boolean, "true or false"),
-               "with the parameters and optimizer state on NVMe at stage 3 (and nvme_copies=2): step each "
-               "parameter's optimizer state during backward, as its gradient lands, and commit it at opt.step() "
-               "unless clipping that clips, an fp16 overflow or a later gradient voids it (then it steps after "
-               "backward, as with False); the result is the same either way. auto: on (the disk idles through "
-               "backward otherwise: 1.02-1.32x faster steps on a CPU device, 1.21x on one H100; benchmarks/RESULTS.md)"),
+               "with the parameters and optimizer state on NVMe at stage 3 (and nvme_copies=2), or the optimizer "
+               "state in host memory (offload_optimizer='cpu') at stages 2-3: step each parameter's optimizer "
+               "state during backward, as its gradient lands, and commit it at opt.step() unless clipping that "
+               "clips, an fp16 overflow or a later gradient voids it (then it steps after backward, as with "
+               "False); the result is the same either way. auto: on for NVMe (the disk idles through backward "
+               "otherwise: 1.02-1.32x faster steps on a CPU device, 1.21x on one H100; benchmarks/RESULTS.md); "
+               "for host memory on beside an accelerator only (the host idles through its backward; on a CPU "
+               "device the backward needs its cores)"),
     OptionSpec("nvme_copies", 2, _choice(2, 1),
                "copies of each swap file: 2 keeps the last good step through a failed write, 1 halves the disk"),
     OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),

@@ -299,7 +299,7 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
     pinned = dict.fromkeys(("parameters", "activations", "early_optimizer"), 0)
     if any("nvme" in (p.param_tier, p.opt_tier) for p in plans):  # (what reads and writes swap)
         pinned["parameters"] = pool_bytes
-    early = [p for p in plans if p.step_in_backward and p.local_numel]
+    early = [p for p in plans if p.step_in_backward and p.opt_tier == "nvme" and p.local_numel]
     if early:
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
