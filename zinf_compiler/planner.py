@@ -66,6 +66,8 @@ IN_FLIGHT_MODELS = 1
 # Bytes the CPU Adam pass moves per fp32 element it steps: it reads the master, two moments and the
 # gradient and writes the master and two moments.
 ADAM_BYTES_PER_ELEMENT = 7 * 4
+# The host-memory early step (runtime/early_host_adam.py) copies master and moments first: 12 bytes read, 12 written.
+EARLY_COPY_BYTES_PER_ELEMENT = 6 * 4
 
 
 @dataclasses.dataclass
@@ -304,8 +306,9 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
         pinned["early_optimizer"] = early_step_pool_bytes(early)
     step = None
     if profile is not None and flops is not None:
+        host_early = accelerated and any(p.step_in_backward and p.opt_tier == "cpu" for p in plans)
         step = _step_seconds(flops, model.moved or 0, tiling_moved, recompute, read, write, collective, host_device,
-                             host_stepped, profile, sharing, overlapped=accelerated)
+                             host_stepped, profile, sharing, overlapped=accelerated, optimizer_in_backward=host_early)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", model.device.type)
     model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
@@ -346,7 +349,7 @@ def _tiling_bytes(inputs: int, outputs: int, tiles: int, itemsize: int) -> int:
 
 def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, read: int, write: int,
                   collective: int, host_device: int, host_stepped: int, profile: Any, sharing: int,
-                  overlapped: bool) -> dict[str, float | None]:
+                  overlapped: bool, optimizer_in_backward: bool = False) -> dict[str, float | None]:
     """Seconds of one step's parts at ``profile``'s rates, and the predicted step (see the module docstring);
     ``sharing`` ranks move their bytes through one disk and one memory bus at once.  ``overlapped`` (an
     accelerator computes): the disk and the collectives hide under the compute, the step is the longest of
@@ -356,7 +359,9 @@ def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, re
     of the threads it has, with ``tiling_moved`` (the tile pass's own bytes, also shown alone as ``tiling``);
     the recompute under activation checkpointing adds a forward, a third of both.  On an accelerator the
     host-device copies (``host_device`` bytes, each rank over its own link) at the probed rate overlap too; the
-    optimizer's pass over the state it steps on the host runs at the host memory's rate."""
+    optimizer's pass over the state it steps on the host runs at the host memory's rate, after the rest, or
+    (``optimizer_in_backward``: the host-memory early step) from the start of backward, with its copies' bytes
+    (the forward, a third of the compute or a quarter with recompute, has no gradient to step)."""
     recompute_factor = 4 / 3 if recompute else 1
     tiling = tiling_moved / profile.memory_bandwidth * recompute_factor
     compute = (flops / profile.matmul_flops + moved / profile.memory_bandwidth) * recompute_factor + tiling
@@ -366,12 +371,17 @@ def _step_seconds(flops: int, moved: int, tiling_moved: int, recompute: bool, re
             profile.disk_write or profile.memory_bandwidth))
     # (No measured rate, e.g. planning world size 2 from one process: left out of the prediction, shown as -.)
     wire = (collective / profile.collective if profile.collective else None) if collective else 0.0
-    optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.host_bandwidth
     transfer = host_device / profile.host_to_device
+    if overlapped and optimizer_in_backward:
+        optimizer = (sharing * host_stepped * (ADAM_BYTES_PER_ELEMENT + EARLY_COPY_BYTES_PER_ELEMENT)
+                     / profile.host_bandwidth)
+        forward = compute / (4 if recompute else 3)
+        predicted = max(compute, disk, wire or 0.0, transfer, forward + optimizer)
+    else:
+        optimizer = sharing * host_stepped * ADAM_BYTES_PER_ELEMENT / profile.host_bandwidth
+        predicted = (max(compute, disk, wire or 0.0, transfer) if overlapped else compute + disk + (wire or 0.0)) + optimizer
     return {"compute": compute, "tiling": tiling, "disk": disk, "collective": wire, "transfer": transfer,
-            "optimizer": optimizer,
-            "predicted": (max(compute, disk, wire or 0.0, transfer) if overlapped else compute + disk + (wire or 0.0))
-            + optimizer}
+            "optimizer": optimizer, "predicted": predicted}
 
 
 def describe(predictions: Sequence[Prediction]) -> str:

@@ -171,8 +171,18 @@ def test_a_plan_for_a_gpu_keeps_the_device_apart_from_the_host_and_counts_the_co
     # its stepped slice back (the gathers run on the device): twice its half of the model.
     stage2 = zinf.plan(gpt, (idx, idx), {"stage": 2, "offload_optimizer": "cpu"}, world_size=2, device="cuda")
     assert stage2.host_device == sum(2 * 4 * -(-n // 2) for n in numel.values())
+    # Beside a GPU the host-memory optimizer steps during backward ("auto"), copying its state first: its
+    # pass moves the copies' bytes too, and runs from the start of backward (after the forward's third).
+    from zinf_compiler.planner import ADAM_BYTES_PER_ELEMENT, EARLY_COPY_BYTES_PER_ELEMENT
+
+    early_bytes = (ADAM_BYTES_PER_ELEMENT + EARLY_COPY_BYTES_PER_ELEMENT) / ADAM_BYTES_PER_ELEMENT
     assert on_gpu.step["optimizer"] == pytest.approx(on_cpu.step["optimizer"] * nominal_profile("cpu").memory_bandwidth
-                                                     / gpu_rates.host_memory_bandwidth)
+                                                     / gpu_rates.host_memory_bandwidth * early_bytes)
+    parts = on_gpu.step
+    assert parts["predicted"] == pytest.approx(max(parts["compute"], parts["transfer"],
+                                                   parts["compute"] / 3 + parts["optimizer"]))
+    late = zinf.plan(gpt, (idx, idx), {**options, "overlap_optimizer": False}, device="cuda", profile=gpu_rates).step
+    assert late["predicted"] == pytest.approx(max(late["compute"], late["transfer"]) + late["optimizer"])
     # Where the model will train, by default: its parameters' device, or this machine's GPU for a meta model.
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert zinf.plan(gpt, (idx, idx), options).options["device"] == expected
