@@ -303,6 +303,12 @@ def _run_child(rung: str, system: str, args, nvme: str, rates_path: pathlib.Path
     if args.trace_rung == rung and args.trace_system == system:
         command += ["--trace", str(out / f"trace_{rung}_{system}.json.gz")]  # (one trace: one file back)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if system.startswith("ds_") and os.environ.get("SCALE_DS_SITE"):
+        # DeepSpeed where it was carried (scripts/gpu_check.sh): on its children's path only; its ops built here.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ["SCALE_DS_SITE"], env.get("PYTHONPATH")]))
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(scratch / "torch_extensions"))
+        if check_device().type == "cpu":
+            env.setdefault("DS_ACCELERATOR", "cpu")
     log_path = scratch / f"{rung}_{system}.log"
     started = time.perf_counter()
     try:

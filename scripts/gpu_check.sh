@@ -22,6 +22,23 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --targe
     cp -r "$repo/runtime" "$pkg/zinf_compiler/runtime"
 fi
 export PYTHONPATH="$pkg:$repo/tests/support:$repo/tests/workers:${PYTHONPATH:-}"
+# DeepSpeed for benchmarks/scale.py's peers, where a session carried it (.whl/: its wheel and what the image lacks,
+# built on the CPU machine, and libaio's .deb for its NVMe offload): installed into a folder of its own, on the
+# path of the DeepSpeed children only (SCALE_DS_SITE); libaio unpacked beside it, found through gcc's variables.
+if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
+    ds_site="$(mktemp -d)"
+    if python3 -m pip install -q --no-index --no-deps --no-compile --target "$ds_site" "$repo"/.whl/*.whl; then
+        export SCALE_DS_SITE="$ds_site"
+    fi
+    for deb in "$repo"/.whl/*.deb; do
+        [ -e "$deb" ] && dpkg -x "$deb" "$ds_site/aio"
+    done
+    if [ -d "$ds_site/aio/usr/include" ]; then
+        aio_lib="$(dirname "$(find "$ds_site/aio" -name 'libaio.so*' | head -1)")"
+        export CPATH="$ds_site/aio/usr/include${CPATH:+:$CPATH}" LIBRARY_PATH="$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}" \
+               LD_LIBRARY_PATH="$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+fi
 export PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/zinf_inductor_cache}"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
