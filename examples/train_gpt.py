@@ -239,9 +239,9 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
     split over ``--tp`` ranks by torch's TP plan, each stage compiled with zinf (stage 3) over its data-parallel
     ranks, which take the rest of the world (docs/notes/three_d.md).  ``--batch-size`` rows per dp rank.
 
-    Left out here: checkpoints and ``--export`` (refused: each stage is its own zinf model), gradient clipping
-    (zinf's ``clip_grad_norm_`` spans one stage's dp ranks, not the other stages' and tp ranks' gradients) and
-    the sample (decoding through a pipeline).
+    Gradients are clipped at 1.0 by the whole model's norm, as in the data-parallel path (zinf's
+    ``clip_grad_norm_`` spans the dp, tp and pipeline ranks).  Left out here: checkpoints and ``--export``
+    (refused: each stage is its own zinf model) and the sample (decoding through a pipeline).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import Schedule1F1B
@@ -286,7 +286,7 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
     opt = zinf.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))
     say(f"zinf example: GPT {n_params / 1e6:.2f}M params, world {world} = pp {pp} x dp {dp} x tp {tp}"
-        f"{f', {micro_batches} micro-batches' if pp > 1 else ''}, options {options}; no gradient clipping")
+        f"{f', {micro_batches} micro-batches' if pp > 1 else ''}, options {options}")
     first_loss = loss_value = None
     started = last_log = time.perf_counter()
     tokens_since_log = 0
@@ -304,6 +304,7 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
             pipeline.step(target=targets, losses=micro_losses)
         else:
             pipeline.step()
+        opt.clip_grad_norm_(1.0)  # (the whole model's norm: every stage's and tp rank's gradients)
         opt.step()
         opt.zero_grad()
         schedule.step()

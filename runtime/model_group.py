@@ -15,7 +15,7 @@ adds their ledgers up.
 A group owns: the records of its parameters (each with its frozen
 :class:`~.param_plan.ParamPlan`), its :class:`~.ledger.Ledger` (bytes per tier,
 device budget), its mesh (the ranks it shards over, fixed at its first
-adoption), its collective timeout and its fp16 loss scale
+adoption), the pipeline it is a stage of (if any), its collective timeout and its fp16 loss scale
 (:class:`Fp16GradScaler`), so that one model's overflow never skips another's
 step and one model's options never change another's.
 """
@@ -115,6 +115,9 @@ class ModelGroup:
         self.collective_timeout: float | None = None
         self.mesh: "MeshComm | None" = None  # fixed by the first adoption (see join)
         self.records: dict[int, "ParamRecord"] = {}  # uid -> record, in adoption order
+        # A pipeline stage's model: the ranks of the pipeline (one per stage), which hold the rest of the whole
+        # model's parameters (its gradient norm spans them); set by zinf_compiler/pipeline_parallel.py.
+        self.pipeline: "Comm | None" = None
 
     @property
     def device_memory_limit(self) -> int | None:

@@ -312,16 +312,17 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm across all ranks; returns the norm before clipping.
-
-        Equals ``torch.nn.utils.clip_grad_norm_`` on the full, averaged gradients.
-        """
+        """Clip the global gradient norm across all ranks; returns the norm before clipping.  Equals
+        ``torch.nn.utils.clip_grad_norm_`` on the whole model's full, averaged gradients, also over tensor-
+        parallel parameters and a :class:`ZinfPipelineStage`'s stages (optim_step.clip_grad_norm)."""
         if norm_type != 2.0:
             raise ValueError("zinf clip_grad_norm_ supports norm_type=2.0 only")
         self.bind()
         self._reduce_full_grads()
         device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
-        total_norm, clipped = clip_grad_norm(self.slots(), self._mesh(), device, max_norm, self._collective_timeout())
+        pipeline = next((r.group.pipeline for r in self._records() if r.group.pipeline is not None), None)
+        total_norm, clipped = clip_grad_norm(self.slots(), self._mesh(), device, max_norm, self._collective_timeout(),
+                                             pipeline)
         self._clipped = self._clipped or clipped
         return total_norm
 

@@ -15,6 +15,7 @@ from zinf_compiler.runtime.host_memory import available_bytes
 from zinf_compiler.runtime.store import ParamStore
 
 from .optim_state import Slot
+from .tensor_parallel import holds_own_slice, model_tp_mesh
 
 # With parameters on NVMe, masters are stepped and written back this many bytes at a time.
 PUBLISH_CHUNK_BYTES = 32 << 20
@@ -71,26 +72,38 @@ def average_uncaptured_grads(slots: list[Slot], mesh, timeout) -> None:
         offset += numel
 
 
-def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: float, timeout) -> tuple[torch.Tensor, bool]:
+def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: float, timeout,
+                   pipeline=None) -> tuple[torch.Tensor, bool]:
     """Clip the slots' global gradient norm across all ranks: (the norm before clipping, whether it clipped).
 
-    Equals ``torch.nn.utils.clip_grad_norm_`` on the full, averaged gradients.
+    Equals ``torch.nn.utils.clip_grad_norm_`` on the whole model's full, averaged gradients.  The norm spans
+    the data-parallel ranks (``mesh``: each sharded element on one rank of its shard group, HSDP replicas
+    holding the same ones), the tensor-parallel ranks of DTensor parameters (a Shard placement's local
+    gradients add over tp; a Replicate one, or a plain parameter beside them, is the same on every tp rank
+    and counts on tp rank 0) and, for a pipeline stage's model, the other stages (``pipeline``, the Comm of
+    the pipeline's ranks: their parameters are other parts of the model).
     """
+    tp_mesh = model_tp_mesh([slot.param for slot in slots], "clip_grad_norm_")
+    tp_first = tp_mesh is None or tp_mesh.get_local_rank() == 0
     # float64 sums; on the parameters' device, where NCCL can reduce them.
     sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
     replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
     grads = []
     grads_on_disk = []
     for slot in slots:
+        counts_here = tp_first or holds_own_slice(slot.param)  # (each tp-replicated element once)
         if slot.record is not None and slot.record.grad_on_disk:
             # An nvme-tier gradient: its norm was taken as it was written.
             grads_on_disk.append(slot.record)
-            sharded_sq += slot.record.grad_sq_norm
+            if counts_here:
+                sharded_sq += slot.record.grad_sq_norm
             continue
         grad = slot.grad
         if grad is None:
             continue
         grads.append(grad)
+        if not counts_here:
+            continue
         squared = grad.detach().double().pow(2).sum().to(device)
         if slot.record is not None and slot.record.stage > 0:
             sharded_sq += squared  # each element lives on exactly one rank
@@ -98,7 +111,14 @@ def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: floa
             replicated_sq += squared  # every rank holds the same full gradient
     # Over the shard group: each element lives on one rank of it (HSDP replicas hold the same ones).
     mesh.shard.all_reduce_sum(sharded_sq, "all_reduce of the gradient norm (clip_grad_norm_)", timeout)
-    total_norm = (sharded_sq + replicated_sq).sqrt().to(torch.float32)
+    total_sq = sharded_sq + replicated_sq
+    if tp_mesh is not None:
+        mesh.shard.subgroup(tp_mesh.get_group()).all_reduce_sum(
+            total_sq, "all_reduce of the gradient norm over the tensor-parallel ranks (clip_grad_norm_)", timeout)
+    if pipeline is not None:
+        pipeline.all_reduce_sum(total_sq, "all_reduce of the gradient norm over the pipeline's stages "
+                                          "(clip_grad_norm_)", timeout)
+    total_norm = total_sq.sqrt().to(torch.float32)
     clip_coef = float(max_norm) / (total_norm.item() + 1e-6)
     if clip_coef >= 1.0:
         return total_norm, False

@@ -141,9 +141,9 @@ def local_input(param: torch.Tensor) -> torch.Tensor:
 
 # ---- Checkpoints: a TP-local tensor's elements as ranges of the whole (global) flat tensor ----
 
-def model_tp_mesh(params) -> object | None:
-    """The one tp DeviceMesh of the DTensor ``params`` (None: no tensor-parallel parameter).  Checkpoints of
-    parameters on several tp meshes, or on a tp mesh of more than one dimension, are refused."""
+def model_tp_mesh(params, what: str = "zinf checkpoints") -> object | None:
+    """The one tp DeviceMesh of the DTensor ``params`` (None: no tensor-parallel parameter).  Parameters on
+    several tp meshes, or on a tp mesh of more than one dimension, are refused (``what`` refuses them)."""
     from .runtime.checkpoint_files import ZinfCheckpointError
 
     meshes = {}
@@ -154,11 +154,11 @@ def model_tp_mesh(params) -> object | None:
     if not meshes:
         return None
     if len(meshes) > 1:
-        raise ZinfCheckpointError("zinf checkpoints: the model's tensor-parallel parameters lie on "
+        raise ZinfCheckpointError(f"{what}: the model's tensor-parallel parameters lie on "
                                   f"{len(meshes)} different device meshes; one tp mesh per model is supported")
     (mesh,) = meshes.values()
     if mesh.ndim != 1:
-        raise ZinfCheckpointError(f"zinf checkpoints: a {mesh.ndim}-D tensor-parallel mesh is not supported (a "
+        raise ZinfCheckpointError(f"{what}: a {mesh.ndim}-D tensor-parallel mesh is not supported (a "
                                   f"1-D mesh[\"tp\"] is)")
     return mesh
 

@@ -1,4 +1,4 @@
-"""pp x tp x dp (issue 37, acceptance 3): pp 2 x dp 2 x tp 2 at world 8 on gloo trains equal to eager.
+"""pp x tp x dp (issue 37, acceptance 3): pp 2 x dp 2 x tp 2 at world 8 on gloo trains equal to eager, clipped too.
 
 The worker (tests/workers/three_d_worker.py) cuts a small GPT into 2 pipeline stages, splits each stage's blocks
 over 2 tp ranks (torch's TP plan), compiles each stage with zinf at stage 3 over its 2 dp ranks and drives them
@@ -41,3 +41,18 @@ def test_pp2_tp2_dp2_equals_eager():
 @pytest.mark.slow  # Inductor at world 8: several minutes on 2 cores
 def test_pp2_tp2_dp2_inductor_equals_eager():
     _assert_equals_eager(run_ranks(8, "three_d_worker", {"lower": "inductor", "steps": 3}, timeout=900))
+
+
+@pytest.mark.slow  # world 8 on gloo, as above
+def test_pp2_tp2_dp2_clips_by_the_whole_models_norm_as_eager_does():
+    """torch's clip_grad_norm_ on every rank over its stage's parameters: zinf takes the norm over the whole model
+    (the other dp ranks' shards, the other tp ranks' slices of Shard parameters with the Replicate ones once, the
+    other pipeline stage's parameters), the norm eager computes on the whole model.  A max_norm under it clips
+    every step, and the clipped training equals eager's."""
+    results = run_ranks(8, "three_d_worker", {"lower": "eager", "steps": 3, "clip": 0.05}, timeout=900)
+    _assert_equals_eager(results)
+    for result in results:
+        eager, zinf = result["eager_norms"], result["zinf_norms"]
+        assert len(zinf) == 3 and all(norm > 0.05 for norm in eager), eager  # (it clipped every step)
+        for step, (expected, got) in enumerate(zip(eager, zinf, strict=True)):
+            assert abs(got - expected) <= 1e-6 * expected, (result["rank"], step, expected, got)

@@ -8,7 +8,8 @@ is compiled with zinf at stage 3 over ``mesh["dp"]``, wrapped in ``ZinfPipelineS
 model in eager in one process on the whole batch (both dp ranks' rows), ``torch.optim.AdamW``.  Records the
 whole batch's losses (the last stage's, averaged over dp), the relative and absolute errors of every whole
 parameter (``zinf.full_state_dict``: gathered over dp, then over tp) against eager's, and Dynamo's graph count;
-or the error raised.  ``"lower"``: zinf's lowering (default ``"eager"``).
+or the error raised.  ``"lower"``: zinf's lowering (default ``"eager"``); ``"clip"``: a max_norm both clip at before
+each step (torch's ``clip_grad_norm_`` over the stage's parameters on every rank), their norms recorded.
 """
 
 import torch
@@ -43,23 +44,26 @@ def whole_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def eager_run(steps: int):
+def eager_run(steps: int, clip: float | None = None):
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)  # (zinf's AdamW runs the fused kernel)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         loss = model(*whole_batch(step))
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return model, losses
+    return model, losses, norms
 
 
 def train(args: dict, mesh, result: dict) -> None:
     steps = args.get("steps", 3)
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    eager, result["eager_losses"] = eager_run(steps)
+    clip = args.get("clip")
+    eager, result["eager_losses"], result["eager_norms"] = eager_run(steps, clip)
     module = GPTStage(build(), pp_rank, PP)
     parallelize_blocks(module, mesh["tp"])
     options = {"stage": 3, "mesh": mesh["dp"], "lower": args.get("lower", "eager"), **args.get("options", {})}
@@ -73,7 +77,7 @@ def train(args: dict, mesh, result: dict) -> None:
     schedule = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=stage_loss)
     optimizer = zinf.optim.AdamW(module.parameters(), **ADAMW)
     torch._dynamo.utils.counters.clear()
-    losses = []
+    losses, norms = [], []
     rows = slice(dp_rank * MICRO_BATCHES * MICRO_ROWS, (dp_rank + 1) * MICRO_BATCHES * MICRO_ROWS)
     for step in range(steps):
         inputs, targets = whole_batch(step)
@@ -85,9 +89,12 @@ def train(args: dict, mesh, result: dict) -> None:
             loss = torch.stack(micro_losses).mean().detach()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
             losses.append(loss.item())
+        if clip is not None:
+            # torch's clip_grad_norm_ over the stage's parameters: zinf takes it over the whole model.
+            norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item())
         optimizer.step()
         optimizer.zero_grad()
-    result["zinf_losses"] = losses
+    result["zinf_losses"], result["zinf_norms"] = losses, norms
     result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     state = {module.whole_name(name): value for name, value in zinf.full_state_dict(compiled).items()}
     eager_state = {name: value.detach() for name, value in eager.named_parameters()}
