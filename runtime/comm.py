@@ -360,9 +360,12 @@ class Comm:
 
     def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int, what: str = "broadcast",
                             timeout: float | None = None) -> None:
-        """Copy rank ``src``'s ``tensors`` into every rank's, in place: one broadcast per dtype and device.
+        """Make every rank's ``tensors`` equal rank ``src``'s: one broadcast per dtype and device.
 
-        Counted under "buffers" (model buffers, not ZeRO traffic).
+        A tensor already equal to ``src``'s is left untouched: a copy in place would bump its version, and
+        autograd refuses a backward whose saved tensor changed version (a buffer saved by one micro-batch's
+        forward while the next one's forward agrees on the buffers, under 1F1B).  The comparison reads one
+        value per dtype and device on the host.  Counted under "buffers" (model buffers, not ZeRO traffic).
         """
         if self.world_size == 1 or not tensors:
             return
@@ -370,15 +373,20 @@ class Comm:
         for tensor in tensors:
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
         for group in groups.values():
-            flat = torch.cat([tensor.detach().reshape(-1) for tensor in group])
+            local = torch.cat([tensor.detach().reshape(-1) for tensor in group])
+            flat = local.clone()
             nbytes = flat.numel() * flat.element_size()
             self._count("buffers", nbytes)
             self._work(dist.broadcast(flat, src=self._global(src), group=self.group, async_op=True), "gg", nbytes,
                        what, timeout).wait()
+            if torch.equal(flat, local):
+                continue
             at = 0
             with torch.no_grad():
                 for tensor in group:
-                    tensor.copy_(flat[at : at + tensor.numel()].view_as(tensor))
+                    value = flat[at : at + tensor.numel()].view_as(tensor)
+                    if not torch.equal(tensor, value):
+                        tensor.copy_(value)
                     at += tensor.numel()
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "reduce", timeout: float | None = None):

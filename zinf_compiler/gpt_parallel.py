@@ -51,9 +51,8 @@ class GPTStage(nn.Module):
         """The first stage maps token ids to hidden states, the middle ones hidden states to hidden states, the
         last hidden states to logits."""
         if self.index == 0:
-            # (positions made here, not the GPT's buffer: zinf copies the buffers a graph reads from rank 0 in
-            # place before each call (option broadcast_buffers), so 1F1B's next forward would bump the version
-            # of the indices a pending backward of the position embedding saved: autograd raises)
+            # (positions made here, not read from the GPT's buffer: no buffer to agree on across ranks before
+            # each call; docs/notes/three_d.md)
             x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)

@@ -49,6 +49,16 @@ def test_pipeline_stage3_equals_eager(schedule):
     _assert_collectives_once_per_step(results)
 
 
+@pytest.mark.slow  # world 4 (13 s); the default run's 1F1B test has no buffer
+def test_a_buffer_saved_for_backward_trains_under_1f1b_with_broadcast_buffers():
+    """Every block multiplies by a buffer, which autograd saves for its backward.  Under 1F1B the next
+    micro-batch's forward runs while an earlier one's backward is pending, and zinf agrees on the buffers
+    (rank 0's, broadcast_buffers) before each call: a copy in place bumped the saved buffer's version and the
+    backward raised "modified by an inplace operation".  Buffers equal to rank 0's are left alone now."""
+    results = run_ranks(4, "pp_worker", {"schedule": "1f1b", "steps": 2, "buffer": True}, timeout=300)
+    _assert_equals_eager(results)
+
+
 @pytest.mark.slow  # world 4 twice, with swap files
 @pytest.mark.parametrize("schedule,grad_ram", [("gpipe", "auto"), ("1f1b", 0)])
 def test_pipeline_stage3_nvme_equals_eager(schedule, grad_ram):

@@ -31,18 +31,24 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class Block(torch.nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, buffer: bool = False):
         super().__init__()
         self.fc1 = torch.nn.Linear(width, 4 * width)
         self.fc2 = torch.nn.Linear(4 * width, width)
+        if buffer:  # a buffer the forward multiplies by: autograd saves it for the backward
+            self.register_buffer("gain", torch.linspace(0.5, 1.5, width))
 
     def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        out = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return x + (out * self.gain if hasattr(self, "gain") else out)
+
+
+BUFFER = False  # (args "buffer": every block has a buffer saved for backward)
 
 
 def build() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
+    return torch.nn.Sequential(*[Block(WIDTH, BUFFER) for _ in range(BLOCKS)])
 
 
 def loss_fn(output, target):
@@ -78,6 +84,8 @@ def stage_module(stage: int) -> torch.nn.Sequential:
 
 def main():
     args, world, rank = start_rank()
+    global BUFFER
+    BUFFER = args.get("buffer", False)
     steps = args.get("steps", 3)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -139,6 +147,8 @@ def main():
         errors = {}
         for name, value in full.items():
             index, rest = name.split(".", 1)
+            if rest == "gain":
+                continue  # (a buffer: never trained)
             expected = eager_params[f"{int(index) + pp_rank * per_stage}.{rest}"]
             scale = expected.abs().max().clamp_min(1e-12)
             errors[name] = ((expected - value).abs().max() / scale).item()
