@@ -125,7 +125,7 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
         RUNTIME.activations.configure(options.nvme_path, options.aio_block_size, options.aio_queue_depth, options.aio_threads)
     # The AOTAutograd cache would hand back a previously compiled graph and skip
     # our hooks, silently dropping every pass: keep it off for zinf graphs.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False), tensor_parallel.dtensor_outputs_refused(gm):
         if options.lower == "inductor":
             compiled = compile_with_inductor(gm, example_inputs, rewrite, joint_hook)
         else:

@@ -23,6 +23,7 @@ Issue 37 has the rest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -131,6 +132,29 @@ def unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> tup
     if positions:
         gm.recompile()
     return inputs, positions
+
+
+@contextlib.contextmanager
+def dtensor_outputs_refused(gm: torch.fx.GraphModule):
+    """Around the compile of Dynamo's ``gm``: where AOTAutograd's partitioner fails on a graph that returns
+    DTensors ("Node tangents_N was invalid, but is output"), raise an error saying what it is and what to do.
+    Such a graph ends right after tensor-parallel ops: Dynamo split the model inside a TP region, as an
+    exception raised there does (a plain graph break there trains: tests/multirank/test_tensor_parallel.py)."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        yield
+    except Exception as err:
+        returned = [node.name for node in gm.graph.output_node().all_input_nodes
+                    if isinstance(node.meta.get("example_value"), DTensor)]
+        if "was invalid, but is output" not in str(err) or not returned:
+            raise
+        raise ValueError(
+            f"zinf cannot compile this graph: it ends right after tensor-parallel ops and returns DTensors "
+            f"({', '.join(returned)}), which AOTAutograd's partitioner fails on once zinf has made its DTensor "
+            f"parameters local. Dynamo split the model inside a TP region (an exception raised there, or a graph "
+            f"break Dynamo resumed from inside it): move the break before the region's first TP op or after its "
+            f"last, or fix what raised there") from err
 
 
 def local_input(param: torch.Tensor) -> torch.Tensor:

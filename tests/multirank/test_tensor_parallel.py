@@ -75,7 +75,8 @@ def _assert_model_equals_eager(results, model):
         errors = {name: error for name, error in result["param_errors"].items() if name not in noise}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= PARAM_RTOL, (result["rank"], worst, errors[worst])
-        assert result["states_fraction"] <= (0.27 if model == "llama" else 0.3), result["states_fraction"]
+        if model != "break":
+            assert result["states_fraction"] <= (0.27 if model == "llama" else 0.3), result["states_fraction"]
 
 
 @pytest.mark.slow  # world 4, then world 2 twice: about 2.5 minutes on 2 cores
@@ -109,6 +110,31 @@ def test_llama_tp_by_dp_stage3_equals_eager_saves_loads_and_exports(tmp_path):
 def test_model_tp_by_dp_stage3_equals_eager(model, tier):
     _assert_model_equals_eager(run_ranks(4, "tp_model_worker", {"model": model, "options": TIERS[tier]},
                                          timeout=600), model)
+
+
+@pytest.mark.slow  # world 4, then world 2
+@pytest.mark.parametrize("layout,world", [("tp2dp2", 4), ("tp1dp2", 2)])
+def test_gpt_with_a_graph_break_after_qkv_equals_eager(layout, world):
+    """A graph break in the GPT's attention right after its q/k/v projections (between TP ops at tp 2): each
+    compiled piece trains equal to eager (issue 52: it failed compiling once with "Node tangents_... was
+    invalid, but is output")."""
+    results = run_ranks(world, "tp_model_worker", {"model": "gpt", "layout": layout, "break_after_qkv": True},
+                        timeout=600)
+    # (No share of the states to check: Dynamo cannot resume inside the GPT's loop over blocks, so it runs the
+    # rest of that loop eagerly, and those parameters stay whole, in no graph, as the README says.)
+    _assert_model_equals_eager(results, "break")
+
+
+@pytest.mark.slow  # world 4
+def test_an_exception_traced_after_qkv_under_tp_is_a_clear_error():
+    """Where the traced attention raises right after its TP q/k/v (Dynamo compiles the graph up to the raise,
+    which returns DTensors, then runs the rest eagerly), torch's partitioner fails on the graph once zinf made
+    its DTensor parameters local: zinf says what and where instead of torch's "Node tangents_2 was invalid,
+    but is output" (issue 52's open bug, seen when the GPT's fused-qkv refusal first raised there)."""
+    for result in run_ranks(4, "tp_model_worker", {"model": "gpt", "layout": "tp2dp2", "raise_after_qkv": True,
+                                                   "steps": 1}, timeout=600):
+        assert "zinf cannot compile this graph: it ends right after tensor-parallel ops" in result["error"], result
+        assert "was invalid, but is output" not in result["error"].splitlines()[-1]
 
 
 @pytest.mark.slow  # world 2

@@ -214,9 +214,36 @@ def load_phase(args: dict, layout: Layout, result: dict) -> None:
     result["param_errors"] = {name: relative_error(value, state[name]) for name, value in continued.items()}
 
 
+def break_graph_after_qkv(raising: bool = False) -> None:
+    """The GPT's attention with a graph break right after its q/k/v projections (``"break_after_qkv"``): under TP
+    the break falls between DTensor ops, where zinf's backend once failed ("Node tangents_... was invalid, but
+    is output").  The same code in eager and compiled runs.  ``raising``: the traced forward raises there (Dynamo
+    compiles the graph up to the raise, whose outputs are DTensors under TP, and runs the rest eagerly), as the
+    GPT's refusal of a fused qkv did in a first version, which is where that failure was seen."""
+    import torch.nn.functional as F
+    from zinf_compiler import gpt
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if raising and torch.compiler.is_compiling():
+            # (Dynamo cannot trace the raise: it compiles the graph up to here and runs the rest eagerly,
+            # where nothing raises)
+            raise ValueError("the model's own error, after q/k/v")
+        torch._dynamo.graph_break()
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
+
+    gpt.CausalSelfAttention.forward = forward
+
+
 def main():
     args, world, rank = start_rank()
     result = {"rank": rank}
+    if args.get("break_after_qkv") or args.get("raise_after_qkv"):
+        break_graph_after_qkv(raising=args.get("raise_after_qkv", False))
     try:
         layout = Layout(args.get("layout", "tp2dp2"), world)
         (load_phase if args.get("phase") == "load" else train_phase)(args, layout, result)
