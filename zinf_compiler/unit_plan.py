@@ -20,7 +20,9 @@ one reduce-scatter, like FSDP2's per-block groups, and a bucket is held no
 longer than its block runs.
 Tiled, integer and ``partition="broadcast"`` parameters move alone.  World
 size 1 buckets too: it has no collective to save, but every unit costs the
-runtime's per-op work (benchmarks/overhead.py), so a block moves in one.
+runtime's per-op work (benchmarks/overhead.py), so a block moves in one;
+not NVMe-tier parameters, whose fetched masters the early step takes one unit
+at a time (see :func:`buckets`).
 The run-building rule itself (sharing a unit, the byte limit) is
 runtime/buckets.py's, which the optimizer's own collectives use too.
 """
@@ -55,7 +57,13 @@ def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
         limit = min(limit, cap // 4)
     blocks = [block_of(ctx, slot) if layout is not None and _bucketable(layout) else None
               for slot, layout in zip(slots, layouts)]
-    return [[slots[index] for index in run] for run in bucket_runs(layouts, [limit] * len(slots), blocks)]
+    # Except NVMe-tier parameters at world size 1: there a step waits on the disk, not on the ops, and each
+    # unit's fp32 masters, kept from its fetch for the early step (runtime/fetched_masters.py), are taken
+    # before the prefetch brings the next: a block's at once dropped the older copies before their step used
+    # them (24 of 56 masters reused against 50; tests/integration/test_master_read_once.py).
+    limits = [0 if ctx.captured.world_size == 1 and layout is not None and layout.param_tier == "nvme" else limit
+              for layout in layouts]
+    return [[slots[index] for index in run] for run in bucket_runs(layouts, limits, blocks)]
 
 
 def _bucketable(layout) -> bool:

@@ -77,6 +77,8 @@ def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_wh
         limit = min(limit, cap // 4)
     if limit == 0:
         assert all(len(group) == 1 for group in groups)
+    if world == 1:  # (but not NVMe-tier parameters there: see unit_plan.buckets)
+        assert all(len(group) == 1 for group in groups if layouts[group[0]].param_tier == "nvme")
     for group in groups:
         if len(group) > 1:
             first = layouts[group[0]]
@@ -88,6 +90,7 @@ def test_buckets_keep_order_share_block_and_unit_fit_the_limit_and_close_only_wh
     for previous, group in zip(groups, groups[1:]):  # greedy: the next one could not have joined
         head, joining = layouts[previous[0]], layouts[group[0]]
         could_join = (limit > 0 and blocks[group[0]] == blocks[previous[-1]]
+                      and not (world == 1 and joining.param_tier == "nvme")
                       and unit_plan._bucketable(layouts[previous[-1]]) and can_share_unit(head, joining)
                       and sum(_gathered_bytes(layouts[slot]) for slot in previous) + _gathered_bytes(joining) <= limit)
         assert not could_join, (previous, group)
