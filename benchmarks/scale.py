@@ -62,6 +62,8 @@ import traceback
 
 import torch
 
+from zinf_compiler.cost_model import best_seconds as _best
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -148,20 +150,6 @@ def probe(device: torch.device, nvme: str | None, big: bool) -> dict:
     if nvme:
         rates["disk_write"], rates["disk_read"] = _probe_disk(nvme, (1 * GiB) if big else (64 << 20))
     return rates
-
-
-def _best(fn, device: torch.device, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return max(best, 1e-9)
 
 
 def _probe_disk(folder: str, nbytes: int) -> tuple[float | None, float | None]:

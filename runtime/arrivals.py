@@ -43,3 +43,32 @@ class Arrivals:
         self.counts = {}
         self.tiles = {}
         self.skip_next = clipped
+
+
+class EarlyStep:
+    """What the store tells an early step of (its ``grad_listener``, runtime/store_grads.py): a gradient's
+    arrival, a gradient changed in place, gradients dropped.  Subclasses (runtime/early_adam.py,
+    runtime/early_host_adam.py) hold ``groups_by_uid`` (uid -> the param group it steps with) and
+    ``arrivals``, and say how a step starts (``start``) and is made void (``_cancel``)."""
+
+    groups_by_uid: dict
+    arrivals: Arrivals
+
+    def arrival(self, record, tile: int | None) -> bool:
+        """A gradient (or a tile of it) was added to ``record``'s: whether to step it now.  Any early step of
+        ``record`` started before is void from here on."""
+        self._cancel(record.uid)
+        return self.arrivals.arrived(record, tile) and record.uid in self.groups_by_uid and record.owns_state
+
+    def gradient_changed(self, record) -> None:
+        """``record``'s gradient was changed in place after it arrived (scaled: ``store.scale_grads``): an
+        early step taken from it is void (the optimizer step takes it late)."""
+        self._cancel(record.uid)
+
+    def gradients_dropped(self, record) -> None:
+        """``opt.zero_grad()``: the gradient is gone, and so is any step taken from it."""
+        self._cancel(record.uid)
+        self.arrivals.dropped(record.uid)
+
+    def _cancel(self, uid: int) -> None:
+        raise NotImplementedError

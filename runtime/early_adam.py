@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from .arrivals import Arrivals
+from .arrivals import Arrivals, EarlyStep
 from .fetched_masters import FetchedMasters, try_acquire
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
@@ -105,7 +105,7 @@ def hyperparameters(group: dict) -> tuple:
     return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
 
 
-class EarlyAdam:
+class EarlyAdam(EarlyStep):
     """Early steps of the parameters of one :class:`~zinf_compiler.runtime.nvme_adam.NvmeAdam`."""
 
     reuse_fetched_masters = True  # False: every master is read from disk (tests compare the two)
@@ -130,15 +130,7 @@ class EarlyAdam:
             record.grad_listener = weakref.ref(self)  # the store tells of gradients (it must not keep us alive)
         nvme_adam.store.add_background_work(self)
 
-    # --- the store's side -------------------------------------------------------------
-
-    def arrival(self, record, tile: int | None) -> bool:
-        """A gradient (or a tile of it) was added to ``record``'s: whether to step it now.
-
-        Any early step of ``record`` started before is void from here on.
-        """
-        self._cancel(record.uid)
-        return self.arrivals.arrived(record, tile) and record.uid in self.groups_by_uid and record.owns_state
+    # --- the store's side (arrival, gradient_changed, gradients_dropped: arrivals.EarlyStep's) ---------
 
     def start(self, record, grad: torch.Tensor, owned: bool, ready=None) -> None:
         """Step ``record`` early with its whole local gradient ``grad`` (fp32, CPU; read, never written).
@@ -163,16 +155,6 @@ class EarlyAdam:
         if (self.reuse_fetched_masters and not self.arrivals.skip_next and record.uid in self.groups_by_uid
                 and record.owns_state and record.params_in_master):
             self.fetched_masters.offer(self._pool(), record, staging, offset, reads)
-
-    def gradient_changed(self, record) -> None:
-        """``record``'s gradient was changed in place after it arrived (scaled: ``store.scale_grads``):
-        an early step taken from it is void (the optimizer step takes it late)."""
-        self._cancel(record.uid)
-
-    def gradients_dropped(self, record) -> None:
-        """``opt.zero_grad()``: the gradient is gone, and so is any step taken from it."""
-        self._cancel(record.uid)
-        self.arrivals.dropped(record.uid)
 
     def _cancel(self, uid: int) -> None:
         job = self.jobs.pop(uid, None)

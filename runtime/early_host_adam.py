@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .arrivals import Arrivals
+from .arrivals import Arrivals, EarlyStep
 from .early_adam import hyperparameters
 
 # What a slot's state is to the early step: (fp32 master, exp_avg, exp_avg_sq, step count tensor), all on the host.
@@ -49,7 +49,7 @@ class _Job:
     future: concurrent.futures.Future
 
 
-class EarlyHostAdam:
+class EarlyHostAdam(EarlyStep):
     """Early steps of the host-memory slots of one zinf optimizer (see the module docstring)."""
 
     def __init__(self, store, decoupled_weight_decay: bool, records_and_groups: list[tuple[object, dict]],
@@ -71,13 +71,7 @@ class EarlyHostAdam:
         for record, _ in records_and_groups:
             record.grad_listener = weakref.ref(self)  # the store tells of gradients (it must not keep us alive)
 
-    # --- the store's side (as runtime/early_adam.py's EarlyAdam) --------------------------
-
-    def arrival(self, record, tile: int | None) -> bool:
-        """A gradient (or a tile of it) was added to ``record``'s: whether to step it now.  Any early step of
-        ``record`` started before is void from here on."""
-        self._cancel(record.uid)
-        return self.arrivals.arrived(record, tile) and record.uid in self.groups_by_uid and record.owns_state
+    # --- the store's side (arrival, gradient_changed, gradients_dropped: arrivals.EarlyStep's) ---------
 
     def start(self, record, grad: torch.Tensor, owned: bool, ready=None) -> None:
         """Step ``record`` early with its whole local fp32 gradient ``grad`` (on the host; read, never written);
@@ -101,15 +95,6 @@ class EarlyHostAdam:
 
     def fetched_master(self, record, staging, offset: int, reads) -> None:
         """(An NVMe read's master: never here, whose masters rest in host memory.)"""
-
-    def gradient_changed(self, record) -> None:
-        """``record``'s gradient was changed in place after it arrived: an early step taken from it is void."""
-        self._cancel(record.uid)
-
-    def gradients_dropped(self, record) -> None:
-        """``opt.zero_grad()``: the gradient is gone, and so is any step taken from it."""
-        self._cancel(record.uid)
-        self.arrivals.dropped(record.uid)
 
     def _cancel(self, uid: int) -> None:
         job = self.jobs.pop(uid, None)

@@ -165,8 +165,8 @@ def profile_machine(device: torch.device, dtype: torch.dtype, nvme_path: str | N
     return profile
 
 
-def _timed(fn, device: torch.device, repeats: int = 3) -> float:
-    """Best-of-``repeats`` seconds of ``fn()`` (after one warm-up call)."""
+def best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
+    """Best-of-``repeats`` seconds of ``fn()`` (after one warm-up call), ``device`` synchronized around each."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -185,7 +185,7 @@ def _probe_matmul(device: torch.device, dtype: torch.dtype) -> float:
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     if device.type == "cuda":
-        return 2 * size**3 / _timed(lambda: torch.mm(a, b), device)
+        return 2 * size**3 / best_seconds(lambda: torch.mm(a, b), device)
     # On a CPU the median of 7 small ones (about 20 ms, paid once per process and profile key): the best of
     # three scattered by 30% from probe to probe; the median still varies by up to a quarter (RESULTS.md).
     torch.mm(a, b)
@@ -203,7 +203,7 @@ def _probe_copy(source_device: torch.device, target_device: torch.device) -> flo
     if source_device.type == "cpu" and target_device.type == "cuda":
         source = source.pin_memory()  # what the pinned pool gives cg
     target = torch.empty(numel, device=target_device)
-    return PROBE_BYTES / _timed(lambda: target.copy_(source, non_blocking=True), target_device)
+    return PROBE_BYTES / best_seconds(lambda: target.copy_(source, non_blocking=True), target_device)
 
 
 def _probe_disk(folder: str) -> tuple[float | None, float | None]:
@@ -250,7 +250,7 @@ def _probe_collective(device: torch.device, comm: "Comm") -> float | None:
     world = comm.world_size
     shard = torch.ones((4 << 20) // 4 // world, device=device)
     gathered = torch.empty(shard.numel() * world, device=device)
-    seconds = _timed(lambda: comm.start_all_gather_uncounted(gathered, shard).wait(), device, repeats=2)
+    seconds = best_seconds(lambda: comm.start_all_gather_uncounted(gathered, shard).wait(), device, repeats=2)
     return gathered.numel() * 4 / seconds
 
 

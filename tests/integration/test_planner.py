@@ -200,7 +200,7 @@ def _probe_rank_recording(record_folder: str, rank: int, *args) -> None:
     from zinf_compiler.runtime.comm import Comm
 
     gathers, seconds = [], []
-    real_gather, real_timed = Comm.start_all_gather_uncounted, cost_model._timed
+    real_gather, real_timed = Comm.start_all_gather_uncounted, cost_model.best_seconds
 
     def gather(self, output, shard):
         gathers.append({"output": output.numel() * output.element_size(), "shard": shard.numel() * shard.element_size(),
@@ -214,7 +214,7 @@ def _probe_rank_recording(record_folder: str, rank: int, *args) -> None:
             seconds.append(best)
         return best
 
-    Comm.start_all_gather_uncounted, cost_model._timed = gather, timed
+    Comm.start_all_gather_uncounted, cost_model.best_seconds = gather, timed
     plan_cli._probe_rank(rank, *args)
     with open(os.path.join(record_folder, f"rank-{rank}.json"), "w") as handle:
         json.dump({"gathers": gathers, "seconds": seconds}, handle)
