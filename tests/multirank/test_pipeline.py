@@ -11,6 +11,7 @@ eager and Inductor lowering.
 import pytest
 
 from multirank import run_ranks
+from usage import LOSS_RTOL, PARAM_RTOL
 
 MICRO_BATCHES = 4
 
@@ -110,3 +111,41 @@ def test_pipeline_refusals():
                            ({"bad_boundary": True}, "disagree on the tensors between them")):
         for result in run_ranks(4, "pp_worker", {"schedule": "gpipe", **args}, timeout=300):
             assert expected in result.get("error", ""), result
+
+
+def _assert_schedule_equals_eager(results):
+    for result in results:
+        assert "error" not in result, result.get("trace")
+        if result["zinf_losses"]:  # (the ranks of the last stage)
+            for step, (eager, zinf) in enumerate(zip(result["eager_losses"], result["zinf_losses"], strict=True)):
+                assert abs(eager - zinf) <= LOSS_RTOL * abs(eager) + 1e-8, (result["rank"], step, result)
+        worst = max(result["param_errors"], key=result["param_errors"].get)
+        assert result["param_errors"][worst] <= PARAM_RTOL, (result["rank"], worst, result["param_errors"])
+    assert sum(bool(result["zinf_losses"]) for result in results) == 2  # (the last stage's two dp ranks)
+
+
+@pytest.mark.slow  # world 4 per case
+@pytest.mark.parametrize("schedule", ["interleaved", "looped"])
+def test_two_stages_per_rank_equal_eager(schedule):
+    """ScheduleInterleaved1F1B and ScheduleLoopedBFS with 4 stages of one block, two per rank (stage i on pp rank
+    i % 2), each its own zinf model over its dp ranks, one zinf AdamW over both of a rank's stages."""
+    _assert_schedule_equals_eager(run_ranks(4, "pp_schedules_worker", {"front_end": "manual", "schedule": schedule},
+                                            timeout=300))
+
+
+@pytest.mark.slow  # world 4
+def test_the_pipeline_tracing_front_end_equals_eager():
+    """torch's pipeline(module, mb_args, split_spec) cuts the model; each rank compiles its stage module with zinf
+    and wraps it in ZinfPipelineStage (not build_stage's PipelineStage): equal to eager, under the whole model's
+    parameter names."""
+    _assert_schedule_equals_eager(run_ranks(4, "pp_schedules_worker", {"front_end": "pipeline"}, timeout=300))
+
+
+@pytest.mark.slow  # world 4
+def test_zero_bubble_schedules_are_refused_by_torch_for_compiled_stages():
+    """ScheduleInterleavedZeroBubble splits each backward into its input and weight parts, which torch does not do
+    for a stage module that has used torch.compile: it refuses, naming the schedule (zinf is a compile)."""
+    for result in run_ranks(4, "pp_schedules_worker", {"front_end": "manual", "schedule": "zero_bubble"},
+                            timeout=300):
+        assert "ScheduleInterleavedZeroBubble schedule is not supported with stage modules that have used " \
+               "torch.compile" in result["error"], result
