@@ -125,6 +125,17 @@ def test_gpt_with_a_graph_break_after_qkv_equals_eager(layout, world):
     _assert_model_equals_eager(results, "break")
 
 
+@pytest.mark.slow  # world 4 per case
+@pytest.mark.parametrize("model", ["gpt_sp", "llama_lp"])
+def test_sequence_parallel_and_loss_parallel_equal_eager(model):
+    """Two more entries of a TP plan (issue 52): SequenceParallel (the GPT's LayerNorms on sequence shards, the
+    residual stream split along the sequence between blocks: torchtitan's plan on the GPT's modules) and loss
+    parallel (the Llama's LM head colwise with its logits left sharded over the vocabulary, the loss and its
+    backward under torch's loss_parallel): each trains equal to eager at tp 2 x dp 2."""
+    _assert_model_equals_eager(run_ranks(4, "tp_model_worker", {"model": model}, timeout=600),
+                               "llama" if model == "llama_lp" else "gpt")
+
+
 @pytest.mark.slow  # world 4
 def test_an_exception_traced_after_qkv_under_tp_is_a_clear_error():
     """Where the traced attention raises right after its TP q/k/v (Dynamo compiles the graph up to the raise,

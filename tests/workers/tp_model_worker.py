@@ -37,7 +37,7 @@ def build(kind: str) -> torch.nn.Module:
         from zinf_compiler.gpt import GPT, GPTConfig
 
         return GPT(GPTConfig(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32,
-                             separate_qkv=kind == "gpt"))
+                             separate_qkv=kind in ("gpt", "gpt_sp")))
     import transformers
 
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -57,19 +57,52 @@ def parallelize(model: torch.nn.Module, kind: str, tp_mesh) -> None:
         for block in model.blocks:
             parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()})
         return
+    if kind == "gpt_sp":  # (sequence parallel: the residual stream sharded over tp along the sequence)
+        sequence_parallel(model, tp_mesh)
+        return
     if kind == "gpt":
         for block in model.blocks:
             parallelize_module(block, tp_mesh, {
                 "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
                 "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
         return
+    if kind == "llama_lp":  # (loss parallel: the LM head's logits stay sharded over the vocabulary)
+        from torch.distributed.tensor import Shard
+
+        lm_head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    else:
+        lm_head = ColwiseParallel(output_layouts=Replicate())
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
     parallelize_module(model, tp_mesh, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                                        "lm_head": ColwiseParallel(output_layouts=Replicate())})
+                                        "lm_head": lm_head})
+
+
+def sequence_parallel(model: torch.nn.Module, tp_mesh) -> None:
+    """The GPT's blocks with sequence parallelism (torchtitan's plan on the GPT's modules): each block's input
+    is split along the sequence over tp, its LayerNorms run on their sequence shard (``SequenceParallel``),
+    attention and the MLP gather the sequence before their colwise Linears and reduce-scatter it back after
+    their rowwise ones; the last block's output is whole again for ``ln_f`` and the LM head."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+
+    last = len(model.blocks) - 1
+    for index, block in enumerate(model.blocks):
+        parallelize_module(block, tp_mesh, {
+            "": PrepareModuleInput(input_layouts=(Replicate() if index == 0 else Shard(1),),
+                                   desired_input_layouts=(Shard(1),), use_local_output=False),
+            "ln1": SequenceParallel(), "ln2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        if index == last:
+            parallelize_module(block, tp_mesh, {"": PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)})
 
 
 def whole_batch(kind: str, step: int) -> torch.Tensor:
@@ -80,7 +113,28 @@ def whole_batch(kind: str, step: int) -> torch.Tensor:
 def loss_of(model, kind: str, ids: torch.Tensor) -> torch.Tensor:
     if kind.startswith("gpt"):
         return model(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    if kind == "llama_lp":
+        # The loss outside the model, as torchtitan computes a parallel loss: the compiled graph returns only the
+        # logits (the model's own loss beside its logits would be two outputs needing gradients, of which
+        # backward reaches one: AOTAutograd then guesses the other's tangent wrong, torch issue 172556).
+        logits = model(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     return model(input_ids=ids, labels=ids).loss
+
+
+def forward_backward(model, kind: str, ids: torch.Tensor) -> torch.Tensor:
+    """One batch's forward and backward; its loss, a plain tensor.  With loss parallel (``llama_lp`` under TP)
+    both run in torch's ``loss_parallel`` context: the cross-entropy of logits sharded over the vocabulary."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    parallel_loss = kind == "llama_lp" and isinstance(model.lm_head.weight, DTensor)
+    with loss_parallel() if parallel_loss else contextlib.nullcontext():
+        loss = loss_of(model, kind, ids)
+        loss.backward()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def eager_run(kind: str, steps: int):
@@ -89,8 +143,7 @@ def eager_run(kind: str, steps: int):
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)  # (zinf's AdamW runs the fused kernel)
     losses = []
     for step in range(steps):
-        loss = loss_of(model, kind, whole_batch(kind, step))
-        loss.backward()
+        loss = forward_backward(model, kind, whole_batch(kind, step))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -131,8 +184,7 @@ class Layout:
         """One step on this dp rank's rows; the whole batch's loss (the mean over dp ranks)."""
         share = BATCH // self.dp
         rows = whole_batch(kind, step)[self.dp_rank * share:(self.dp_rank + 1) * share]
-        loss = loss_of(compiled, kind, rows)
-        loss.backward()
+        loss = forward_backward(compiled, kind, rows)
         optimizer.step()
         optimizer.zero_grad()
         whole = loss.detach().clone()
