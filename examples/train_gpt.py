@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where parameter shards and optimizer state rest (default: NVMe swap files)")
     parser.add_argument("--nvme-path", default=".zinf_swap",
                         help="folder for swap files (created; zinf makes a private subfolder it removes at exit)")
+    parser.add_argument("--nvme-grad-ram-bytes", default="auto",
+                        help="with --offload nvme: reduced gradients kept in RAM up to this many bytes, the rest in "
+                             "swap files (auto: an eighth of the memory available; 0: every gradient on NVMe)")
     parser.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--dump-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot use --nvme-path {args.nvme_path!r}: {err}", file=sys.stderr)
             return 2
         options["nvme_path"] = args.nvme_path
+        options["nvme_grad_ram_bytes"] = args.nvme_grad_ram_bytes
     if args.dump_dir:
         options["dump_dir"] = args.dump_dir
     try:

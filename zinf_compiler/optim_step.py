@@ -72,6 +72,19 @@ def average_uncaptured_grads(slots: list[Slot], mesh, timeout) -> None:
         offset += numel
 
 
+NORM_CHUNK_ELEMENTS = 1 << 18
+
+
+def _squared_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of ``grad``'s squares, a chunk at a time: a whole float64 copy of a large gradient (and
+    its square) would add 16 bytes per element to the process's peak while every gradient is held."""
+    flat = grad.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for chunk in flat.split(NORM_CHUNK_ELEMENTS):
+        total += chunk.double().pow_(2).sum()
+    return total
+
+
 def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: float, timeout,
                    pipeline=None) -> tuple[torch.Tensor, bool]:
     """Clip the slots' global gradient norm across all ranks: (the norm before clipping, whether it clipped).
@@ -104,7 +117,7 @@ def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: floa
         grads.append(grad)
         if not counts_here:
             continue
-        squared = grad.detach().double().pow(2).sum().to(device)
+        squared = _squared_sum(grad.detach()).to(device)
         if slot.record is not None and slot.record.stage > 0:
             sharded_sq += squared  # each element lives on exactly one rank
         else:
