@@ -80,6 +80,25 @@ def sample(model: torch.nn.Module, prompt: bytes, n_new: int, block: int, device
     return bytes(tokens[0, block:].tolist())
 
 
+def resume(args, model, opt, schedule, world: int, say) -> int | None:
+    """The first step to train: after the newest complete checkpoint in ``--checkpoint-dir`` (loaded into ``model``,
+    ``opt`` and ``schedule``) with ``--resume``, else 1; None: ``--resume always`` found none (said on stderr)."""
+    checkpoint = zinf.latest(args.checkpoint_dir) if args.checkpoint_dir and args.resume != "never" else None
+    if args.resume == "always" and checkpoint is None:
+        print(f"error: --resume: no complete checkpoint in --checkpoint-dir {args.checkpoint_dir!r}", file=sys.stderr)
+        return None
+    if checkpoint is None:
+        return 1
+    # zinf.load reshards: the checkpoint may come from another world size (an elastic restart), and a pipeline's
+    # stages each over their dp and tp ranks (the number of stages must be the saved one).
+    extra = zinf.load(checkpoint, model, opt)
+    schedule.load_state_dict(extra["schedule"])
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun
+    say(f"resumed from {checkpoint} at step {extra['step'] + 1}, world {world} (saved at world {extra['world']}"
+        f"{f'; torchrun restart {restart}' if restart else ''})", flush=True)
+    return extra["step"] + 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -165,19 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))
     say(f"zinf example: GPT {n_params / 1e6:.2f}M params, world {world}, options {options}")
 
-    first_step = 1
-    checkpoint = zinf.latest(args.checkpoint_dir) if args.checkpoint_dir and args.resume != "never" else None
-    if args.resume == "always" and checkpoint is None:
-        print(f"error: --resume: no complete checkpoint in --checkpoint-dir {args.checkpoint_dir!r}", file=sys.stderr)
+    first_step = resume(args, compiled, opt, schedule, world, say)
+    if first_step is None:
         return 2
-    if checkpoint is not None:
-        # zinf.load reshards: the checkpoint may come from another world size (an elastic restart).
-        extra = zinf.load(checkpoint, compiled, opt)
-        schedule.load_state_dict(extra["schedule"])
-        first_step = extra["step"] + 1
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun
-        say(f"resumed from {checkpoint} at step {first_step}, world {world} (saved at world {extra['world']}"
-            f"{f'; torchrun restart {restart}' if restart else ''})", flush=True)
     first_loss = loss_value = None
     started = last_log = time.perf_counter()
     tokens_since_log = 0
@@ -244,8 +253,9 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
     ranks, which take the rest of the world (docs/notes/three_d.md).  ``--batch-size`` rows per dp rank.
 
     Gradients are clipped at 1.0 by the whole model's norm, as in the data-parallel path (zinf's
-    ``clip_grad_norm_`` spans the dp, tp and pipeline ranks).  Left out here: checkpoints and ``--export``
-    (refused: each stage is its own zinf model) and the sample (decoding through a pipeline).
+    ``clip_grad_norm_`` spans the dp, tp and pipeline ranks).  Checkpoints, ``--resume`` and ``--export`` take
+    the whole pipeline (every rank passes its stage: one folder, a stage folder each; ``--export`` writes a file per
+    stage and an index).  Left out here: the sample (decoding through a pipeline).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import Schedule1F1B
@@ -259,9 +269,7 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
                 f"--n-head {args.n_head} does not split over --tp {tp}" if args.n_head % tp else None,
                 f"--batch-size {args.batch_size} does not split into --micro-batches {micro_batches}"
                 if args.batch_size % micro_batches else None,
-                "--tp/--pp train at --stage 3" if args.stage != 3 else None,
-                "--checkpoint-dir, --resume and --export are not supported with --tp/--pp yet"
-                if args.checkpoint_dir or args.resume != "never" or args.export else None]
+                "--tp/--pp train at --stage 3" if args.stage != 3 else None]
     if any(problems):
         print(f"error: {'; '.join(p for p in problems if p)}", file=sys.stderr)
         return 2
@@ -291,10 +299,14 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 20))
     say(f"zinf example: GPT {n_params / 1e6:.2f}M params, world {world} = pp {pp} x dp {dp} x tp {tp}"
         f"{f', {micro_batches} micro-batches' if pp > 1 else ''}, options {options}")
+    saved_model = stage if pp > 1 else compiled  # (a pipeline's checkpoint: every rank passes its stage)
+    first_step = resume(args, saved_model, opt, schedule, world, say)
+    if first_step is None:
+        return 2
     first_loss = loss_value = None
     started = last_log = time.perf_counter()
     tokens_since_log = 0
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         idx, targets = batch_at(data, step, dp_rank, dp, args.batch_size, args.block_size, args.seed)
         idx, targets = idx.to(device), targets.to(device)
         micro_losses = []
@@ -323,7 +335,10 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
         if args.loss_file and dist.get_rank() == 0:
             with open(args.loss_file, "a") as losses:
                 losses.write(f"{step} {loss_value!r}\n")
-        if step == 1:
+        if args.checkpoint_dir and step % args.save_every == 0:
+            zinf.save(os.path.join(args.checkpoint_dir, f"step-{step:06d}"), saved_model, opt,
+                      extra={"step": step, "world": world, "schedule": schedule.state_dict()})
+        if step == first_step:
             say(f"first step (includes compiling) took {time.perf_counter() - started:.1f}s")
             last_log, tokens_since_log = time.perf_counter(), 0
         elif step % args.log_every == 0 or step == args.steps:
@@ -336,8 +351,13 @@ def train_parallel(args, cfg: GPTConfig, options: dict, data: torch.Tensor, worl
         held = report[tier]
         say(f"{tier:>6} tier on rank 0 (stage 0): params {held['params']:,} B, grads {held['grads']:,} B, "
             f"optimizer {held['optimizer']:,} B")
-    say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
-        f"{time.perf_counter() - started:.0f}s in all")
+    if args.export:
+        zinf.export(args.export, saved_model)
+        say(f"weights written to {args.export}/model.safetensors.index.json (a file per pipeline stage)" if pp > 1
+            else f"weights written to {args.export}/model.safetensors")
+    if loss_value is not None:  # None: resumed from a checkpoint of the last step
+        say(f"final loss {loss_value:.4f} after {args.steps} steps (first step {first_loss:.4f}), "
+            f"{time.perf_counter() - started:.0f}s in all")
     dist.destroy_process_group()
     return 0
 

@@ -118,6 +118,8 @@ class ModelGroup:
         # A pipeline stage's model: the ranks of the pipeline (one per stage), which hold the rest of the whole
         # model's parameters (its gradient norm spans them); set by zinf_compiler/pipeline_parallel.py.
         self.pipeline: "Comm | None" = None
+        # And which stage it is: (index, number of stages); checkpoints of the pipeline put each in its folder.
+        self.stage: tuple[int, int] | None = None
 
     @property
     def device_memory_limit(self) -> int | None:

@@ -73,7 +73,9 @@ class ZinfPipelineStage(PipelineStage):
         self._holding: set = set()  # the model groups whose gathers or gradients this stage holds now
         # The stage's model is part of a whole one: its gradient norm (clip_grad_norm_) spans the pipeline.
         store = store_of(submodule)
-        store.claim(unwrap(submodule).parameters()).pipeline = store.comm.subgroup(group)
+        model_group = store.claim(unwrap(submodule).parameters())
+        model_group.pipeline = store.comm.subgroup(group)
+        model_group.stage = (stage_index, num_stages)  # (zinf.save writes each stage into its stage folder)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, *rest, **more):
         """torch's forward of one micro-batch, inside the step's hold of gathered parameters."""

@@ -6,6 +6,8 @@ example with a worker SIGKILLed in the middle of a step on the first attempt onl
 
 * restart at the same world size (``--max-restarts 1``, world 2): the run ends by itself, every loss and
   the exported final parameters equal an uninterrupted run's bit for bit;
+* the same under a pipeline (``--pp 2``, world 4): the killed rank's stage and the other reload their folders
+  of the pipeline's checkpoint; losses and the exported files equal an uninterrupted run's bit for bit;
 * elastic (``--nnodes 1:2``, two agents of one process each): the agent of one node dies with its worker;
   the other re-rendezvouses alone, resumes at world 1 through the resharding load and finishes, its losses
   those of eager PyTorch on the same global batches.
@@ -127,27 +129,52 @@ def _run_to_the_end(run: Torchrun) -> str:
     return output
 
 
-@pytest.mark.slow  # three torchrun launches with compiles: about a minute on 2 cores
-def test_a_rank_sigkilled_mid_step_restarts_and_ends_bit_identical(tmp_path):
-    standalone = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"]
+def _straight_and_faulty(tmp_path, world: int, example: list[str], kill_rank: int) -> list[str]:
+    """An uninterrupted torchrun of the example and one whose rank ``kill_rank`` SIGKILLs itself in step KILL_STEP
+    (``--max-restarts 1``), at ``world``; checks the restart resumed from step 3's checkpoint and ended with every
+    loss equal; returns the names of the exported files (under ``<tmp_path>/<straight|faulty>/export``)."""
+    standalone = ["--standalone", "--nproc-per-node", str(world), "--max-restarts", "1", "--monitor-interval", "0.2"]
     runs = {}
     for name, script, env in (("straight", str(REPO / "examples" / "train_gpt.py"), {}),
                               ("faulty", worker_script("faulty_example"),
-                               {"ZINFTEST_KILL_STEP": str(KILL_STEP), "ZINFTEST_KILL_RANK": "1"})):
+                               {"ZINFTEST_KILL_STEP": str(KILL_STEP), "ZINFTEST_KILL_RANK": str(kill_rank)})):
         folder = tmp_path / name
-        args = [*EXAMPLE, "--nvme-path", str(folder / "swap"), "--checkpoint-dir", str(folder / "ckpt"),
+        args = [*example, "--nvme-path", str(folder / "swap"), "--checkpoint-dir", str(folder / "ckpt"),
                 "--loss-file", str(folder / "losses"), "--export", str(folder / "export")]
         runs[name] = _run_to_the_end(Torchrun(standalone, script, args, tmp_path / f"{name}.log", **env))
     faulty = runs["faulty"]
-    assert f"rank 1 SIGKILLs itself in step {KILL_STEP}" in faulty, faulty[-6000:]
-    assert re.search(r"resumed from \S+step-000003 at step 4, world 2 \(saved at world 2; torchrun restart 1\)",
-                     faulty), faulty[-6000:]
+    assert f"rank {kill_rank} SIGKILLs itself in step {KILL_STEP}" in faulty, faulty[-6000:]
+    assert re.search(rf"resumed from \S+step-000003 at step 4, world {world} \(saved at world {world}; torchrun "
+                     rf"restart 1\)", faulty), faulty[-6000:]
     assert "resumed" not in runs["straight"]
     straight_losses = _losses(tmp_path / "straight" / "losses")
     assert sorted(straight_losses) == list(range(1, 8))
     assert _losses(tmp_path / "faulty" / "losses") == straight_losses
-    final = {name: (tmp_path / name / "export" / "model.safetensors").read_bytes() for name in runs}
-    assert final["faulty"] == final["straight"], "the final parameters differ"
+    return sorted(path.name for path in (tmp_path / "straight" / "export").iterdir() if path.suffix != ".json")
+
+
+def _assert_same_exports(tmp_path, files: list[str]) -> None:
+    for file in files:
+        assert (tmp_path / "faulty" / "export" / file).read_bytes() == \
+            (tmp_path / "straight" / "export" / file).read_bytes(), f"{file}: the final parameters differ"
+
+
+@pytest.mark.slow  # three torchrun launches with compiles: about a minute on 2 cores
+def test_a_rank_sigkilled_mid_step_restarts_and_ends_bit_identical(tmp_path):
+    files = _straight_and_faulty(tmp_path, 2, EXAMPLE, kill_rank=1)
+    assert files == ["model.safetensors"], files
+    _assert_same_exports(tmp_path, files)
+
+
+@pytest.mark.slow  # three torchrun launches of 4 ranks with compiles: about a minute on 2 cores
+def test_a_pipeline_rank_sigkilled_mid_step_restarts_and_ends_bit_identical(tmp_path):
+    """Issue 52, acceptance 3: pp 2 x dp 2 (NVMe tiers), a rank of the second stage SIGKILLed mid-step; torchrun
+    restarts the four ranks, each stage reloads its folder of the pipeline's checkpoint, and the run ends with
+    every loss and the exported parameters (a file per stage) equal to an uninterrupted run's."""
+    files = _straight_and_faulty(tmp_path, 4, [*EXAMPLE, "--pp", "2", "--n-layer", "2"], kill_rank=3)
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], files
+    assert (tmp_path / "straight" / "export" / "model.safetensors.index.json").exists()
+    _assert_same_exports(tmp_path, files)
 
 
 def _eager_losses(steps: int, world_at, lr: float = 3e-3, seed: int = 0) -> dict[int, float]:

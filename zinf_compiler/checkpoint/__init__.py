@@ -49,7 +49,8 @@ states), :mod:`.model_state` (what a model and its optimizer hold),
 :mod:`.saving` (``save`` and the atomic publish), :mod:`.reader` (a committed
 folder, checked and read by range), :mod:`.validation` (checks of its JSON,
 untrusted input), :mod:`.loading` (``load``, ``latest``), :mod:`.exporting`
-(``export``, ``to_safetensors``).  The store is reached through the model
+(``export``, ``to_safetensors``), :mod:`.pipeline_layout` (a pipeline's stages in one folder, a
+stage folder each).  The store is reached through the model
 (``api.store_of``); the optimizer's state through its ``save_state`` /
 ``load_state``: no module here reads a swap file's key.
 """

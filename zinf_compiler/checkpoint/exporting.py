@@ -11,9 +11,11 @@ import torch
 
 from .. import tensor_parallel
 from ..api import store_of, unwrap
-from ..runtime.checkpoint_files import DTYPES_BY_NAME, SafetensorsWriter, fsync_dir, replace_into_place
+from ..runtime.checkpoint_files import (DTYPES_BY_NAME, ZinfCheckpointError, SafetensorsWriter, fsync_dir, replace_into_place,
+                                        write_json_atomic)
 from ..runtime.store import ParamRecord, ParamStore
-from .model_state import named_buffers, named_params, spanning_meshes
+from . import pipeline_layout
+from .model_state import named_buffers, named_params, spanning_meshes, tp_mesh_of
 from .reader import Checkpoint
 
 
@@ -31,16 +33,56 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     parameters as the model computes with them (``param_dtype``), in the
     model's dtype or ``dtype``; the fp32 masters are in :func:`save`'s
     checkpoints.
+
+    A pipeline stage's model (or its ``ZinfPipelineStage``), every rank
+    passing its own: each stage writes ``model-0000k-of-0000n.safetensors``
+    and global rank 0 ``model.safetensors.index.json`` (transformers' sharded
+    layout), under the whole model's names where the stage module has
+    ``whole_name(name)``.
     """
     if format != "safetensors":
         raise ValueError(f"zinf.export writes format='safetensors' only, not {format!r}")
     path = os.path.abspath(os.fspath(path))
+    model = pipeline_layout.model_of(model)
     store = store_of(model)
-    comm = store.comm
-    rank = comm.rank
     store.collect()
-    spanning_meshes(store, model, "export")  # (export gathers each parameter over its own mesh)
+    stage = pipeline_layout.stage_of(store, model)
+    if stage is None:
+        _export_over(store.comm, store, path, model, dtype, "model.safetensors", write_config=True)
+        return path
+    # A pipeline: each stage writes its shard of the whole model's files, and an index names the file of each
+    # tensor (transformers' sharded layout, which from_pretrained reads).
+    world = store.comm
+    tp_mesh = tp_mesh_of(model)
+    layout = pipeline_layout.StageLayout(store, stage, tp_mesh.size() if tp_mesh is not None else 1, "export")
+    file_name = f"model-{layout.index + 1:05d}-of-{layout.count:05d}.safetensors"
+    written = _export_over(layout.comm, store, path, model, dtype, file_name, write_config=layout.index == 0)
+    stages = world.all_gather_object(written if layout.comm.rank == 0 else None, "all_gather of exported names")
+    if world.rank == 0:
+        weight_map, total = {}, 0
+        for entries in filter(None, stages):
+            for name, nbytes, file in entries:
+                if name in weight_map:
+                    raise ValueError(f"zinf.export: two pipeline stages hold a tensor named {name!r} (the stage "
+                                     f"module's whole_name(name) gives a stage's tensors their whole model's names)")
+                weight_map[name] = file
+                total += nbytes
+        write_json_atomic(os.path.join(path, "model.safetensors.index.json"),
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+        fsync_dir(path)
+    _barrier(world, "export index to " + path)
+    return path
+
+
+def _export_over(comm, store: ParamStore, path: str, model, dtype, file_name: str,
+                 write_config: bool) -> list[tuple[str, int, str]]:
+    """:func:`export` over the ranks of ``comm`` (every rank, or a pipeline stage's) into ``path``/``file_name``;
+    the (name, bytes, file) of each tensor written.  A stage module's ``whole_name(name)``, if it has one, names
+    its tensors as the whole model does."""
+    rank = comm.rank
+    spanning_meshes(store, model, "export", comm)  # (export gathers each parameter over its own mesh)
     module = unwrap(model)
+    whole_name = getattr(module, "whole_name", lambda name: name)
     named = named_params(module)
     tensors = [(name, param) for name, param in named] + named_buffers(module, {id(p) for _, p in named})
     entries = []
@@ -49,25 +91,25 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
         shape = tuple(tensor_parallel.global_shape(tensor, record.shape if record is not None else tensor.shape))
         out_dtype = dtype if dtype is not None and tensor.is_floating_point() else (
             record.dtype if record is not None else tensor.dtype)
-        entries.append((name, out_dtype, shape))
+        entries.append((whole_name(name), out_dtype, shape))
     writer = None
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-        writer = SafetensorsWriter(os.path.join(path, "model.safetensors"), entries, {"format": "pt"})
+        writer = SafetensorsWriter(os.path.join(path, file_name), entries, {"format": "pt"})
     try:
-        for (name, tensor), (_, out_dtype, _) in zip(tensors, entries):
+        for (name, tensor), (out_name, out_dtype, _) in zip(tensors, entries):
             record = store.lookup(tensor)
             if record is not None and record.stage == 3:
                 with _gathered(store, record) as full:  # a collective: every rank, in the same order
                     full = tensor_parallel.full_tensor(tensor, full.view(record.shape))  # (a DTensor: over tp too)
                     if writer is not None:
-                        writer.write(name, full.to(out_dtype))
+                        writer.write(out_name, full.to(out_dtype))
             elif writer is not None:
-                writer.write(name, tensor.detach().to(out_dtype))
+                writer.write(out_name, tensor.detach().to(out_dtype))
         if writer is not None:
             writer.close()
             config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
+            if write_config and config is not None and hasattr(config, "save_pretrained"):
                 _save_config(config, path)
             fsync_dir(path)
     except BaseException:
@@ -75,7 +117,8 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
             writer.abort()
         raise
     _barrier(comm, "export to " + path)
-    return path
+    return [(name, out_dtype.itemsize * int(torch.Size(shape).numel()), file_name)
+            for name, out_dtype, shape in entries]
 
 
 def _save_config(config, path: str) -> None:
@@ -119,7 +162,12 @@ def to_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> str:
     ``torch.distributed.checkpoint`` through its ``HuggingFaceStorageReader``.
     Optimizer state stays in zinf's format.
     """
-    checkpoint = Checkpoint(os.path.abspath(os.fspath(path)))
+    path = os.path.abspath(os.fspath(path))
+    if pipeline_layout.is_pipelined(path):
+        raise ZinfCheckpointError(f"{path} is the checkpoint of a pipeline: convert each stage's folder "
+                                  f"({pipeline_layout.stage_folder(path, 0)}, ...) on its own, or zinf.export the "
+                                  f"stages' models (one file per stage and an index)")
+    checkpoint = Checkpoint(path)
     try:
         for index in range(len(checkpoint.manifests)):
             checkpoint.verify_data(index)

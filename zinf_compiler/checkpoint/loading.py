@@ -16,6 +16,7 @@ from ..api import store_of
 from ..optim import Slot, ZinfOptimizer
 from ..runtime.checkpoint_files import DTYPES_BY_NAME, ZinfCheckpointError, read_checked, read_json_checked
 from ..runtime.store import ParamStore
+from . import pipeline_layout
 from .format import COMMIT_MARKER, set_rng_state, tupled
 from .model_state import (check_optimizer, counts_steps, model_mesh, named_buffers, named_params, sharded, tp_mesh_of,
                           tp_meta)
@@ -45,30 +46,88 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     (every file it names must lie in it, every count and offset is checked);
     pass False only for a checkpoint you trust whose ``extra`` holds objects
     other than tensors and plain containers.
+
+    A pipeline's checkpoint loads into its stages, each rank passing its own
+    stage's model (or ``ZinfPipelineStage``): the number of stages must be the
+    saved one; each stage's dp and tp may differ (pipeline_layout.py).
     """
     path = os.path.abspath(os.fspath(path))
+    model = pipeline_layout.model_of(model)
     store = store_of(model)
-    comm = store.comm
     store.collect()
-    mesh = model_mesh(store, model, "load")
+    stage = pipeline_layout.stage_of(store, model)
+    if stage is not None:
+        return _load_pipeline(store, path, model, optimizer, weights_only, stage)
+    if pipeline_layout.is_pipelined(path):
+        layout = pipeline_layout.read_top_meta(path)["pipeline"]
+        raise ZinfCheckpointError(
+            f"{path} is the checkpoint of a pipeline ({pipeline_layout.describe(layout)}): load it into the "
+            f"pipeline's stages (each rank zinf.load(path, its stage's model, ...) once its ZinfPipelineStage is "
+            f"built), or read one stage's model from its folder {pipeline_layout.stage_folder(path, 0)}, ...")
+    return _load_over(store.comm, store.comm, store, path, model, optimizer, weights_only)
+
+
+def _load_pipeline(store: ParamStore, path: str, model, optimizer, weights_only: bool, stage: tuple[int, int]):
+    """Each stage loads its folder over its own ranks; every check of every stage is agreed first."""
+    world = store.comm
+    tp_mesh = tp_mesh_of(model)
+    layout = pipeline_layout.StageLayout(store, stage, tp_mesh.size() if tp_mesh is not None else 1, "load")
+    extra, error = None, None
+    try:
+        top = pipeline_layout.read_top_meta(path)
+        if "pipeline" not in top:
+            error = (f"{path} is not a pipeline's checkpoint (saved by a model that is no pipeline stage); this "
+                     f"model is stage {layout.index} of a pipeline ({layout.describe()})")
+        elif top["pipeline"]["stages"] != layout.count:
+            error = (f"{path} was saved by a pipeline of {pipeline_layout.describe(top['pipeline'])}; this pipeline "
+                     f"is {layout.describe()}. The number of stages must be the saved one (a stage folder holds its "
+                     f"stage's parameters); the dp and tp of a stage may differ")
+        elif "extra" in top:
+            extra = _read_extra(path, top["extra"], weights_only)
+    except ZinfCheckpointError as err:
+        error = str(err)
+    errors = world.all_gather_object(error, "all_gather of checkpoint layout checks (pipeline load)")
+    if any(errors):
+        raise ZinfCheckpointError(next(message for message in errors if message))
+    _load_over(layout.comm, world, store, pipeline_layout.stage_folder(path, layout.index), model, optimizer,
+               weights_only)
+    return extra
+
+
+def _load_over(comm, everyone, store: ParamStore, path: str, model, optimizer, weights_only: bool) -> Any:
+    """:func:`load` over the ranks of ``comm`` (every rank, or a pipeline stage's), every check agreed over the
+    ranks of ``everyone`` before anything changes (a pipeline's other stages load other folders)."""
+    mesh = model_mesh(store, model, "load", comm)
     try:
         checkpoint = Checkpoint(path)
         error = None
     except ZinfCheckpointError as err:
         checkpoint, error = None, str(err)
-    errors = comm.all_gather_object(error, "all_gather of checkpoint metadata checks (load)")
+    errors = everyone.all_gather_object(error, "all_gather of checkpoint metadata checks (load)")
     if any(errors):
         if checkpoint is not None:
             checkpoint.close()
         raise ZinfCheckpointError(next(message for message in errors if message))
+    problem = None
     try:
         checkpoint.verify(comm)
         _check_matches(store, checkpoint, model, optimizer)
         meta = checkpoint.meta
-        extra = _read_extra(checkpoint, weights_only) if "extra" in meta else None
+        extra = _read_extra(path, meta["extra"], weights_only) if "extra" in meta else None
+    except ZinfCheckpointError as err:
+        problem = err
     except BaseException:
         checkpoint.close()
         raise
+    if everyone is not comm:  # the other stages' checks: all load, or none
+        problems = everyone.all_gather_object(str(problem) if problem is not None else None,
+                                              "all_gather of checkpoint checks (pipeline load)")
+        if problem is None and any(problems):
+            problem = ZinfCheckpointError(f"load from {path} refused, nothing was changed: another stage's "
+                                          f"checkpoint is: " + next(message for message in problems if message))
+    if problem is not None:
+        checkpoint.close()
+        raise problem
     _load_model(store, checkpoint, model)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
@@ -88,11 +147,18 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     store.claim(model_params)
     for group in store.groups_of(model_params):
         group.fp16_scaler.load_state(meta["fp16_scaler"])
+    # RNG states: restored into the layout that saved them, each rank its own file's.
     tp_mesh = tp_mesh_of(model)
-    same_layout = meta.get("tp") == (tp_meta(tp_mesh, comm.world_size) if tp_mesh is not None else None) and (
-        tp_mesh is not None or (mesh is None and "mesh" not in meta))
+    if tp_mesh is not None:
+        same_layout, files_rank = meta.get("tp") == tp_meta(tp_mesh, comm.world_size), comm.rank
+    elif mesh is None:
+        same_layout, files_rank = "mesh" not in meta and "tp" not in meta, comm.rank
+    else:  # (a 1-D mesh over these ranks, as a pipeline stage's dp mesh: each rank wrote its file)
+        same_layout = mesh.replicate is None and mesh.shard.world_size == comm.world_size and "tp" not in meta \
+            and meta.get("mesh") == {"replicas": 1, "shards": mesh.shard.world_size}
+        files_rank = mesh.shard.rank
     if meta["world_size"] == comm.world_size and same_layout:
-        set_rng_state(checkpoint.manifests[comm.rank]["rng"])
+        set_rng_state(checkpoint.manifests[files_rank]["rng"])
     else:
         log.info("zinf.load: saved over %d rank(s)%s, loaded at %d%s: RNG states not restored",
                  meta["world_size"], " (files of one replica's shards)" if "mesh" in meta else "", comm.world_size,
@@ -100,12 +166,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     return extra
 
 
-def _read_extra(checkpoint: Checkpoint, weights_only: bool) -> Any:
-    """``extra``, read from the checkpoint folder (never through a link) and checked against its CRC32."""
-    described = checkpoint.meta["extra"]
-    data = read_checked(checkpoint.path, described["file"], described["crc32"], "checkpoint extra",
-                        f"{os.path.join(checkpoint.path, 'meta.json')}: extra.file")
-    extra_path = os.path.join(checkpoint.path, described["file"])
+def _read_extra(folder: str, described: dict, weights_only: bool) -> Any:
+    """``extra`` (as meta.json ``described`` it), read from the checkpoint folder (never through a link) and checked
+    against its CRC32."""
+    data = read_checked(folder, described["file"], described["crc32"], "checkpoint extra",
+                        f"{os.path.join(folder, 'meta.json')}: extra.file")
+    extra_path = os.path.join(folder, described["file"])
     try:
         return torch.load(io.BytesIO(data), weights_only=weights_only)
     except pickle.UnpicklingError as err:

@@ -11,11 +11,13 @@ from ..runtime.checkpoint_files import ZinfCheckpointError
 from ..runtime.store import ParamRecord, ParamStore
 
 
-def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str) -> dict:
+def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str, comm=None) -> dict:
     """The meshes the model's sharded parameters use: ``{None or id(mesh): (a parameter's name, mesh or None)}``
     (None: the default group's ranks).  A mesh over only some of the ranks is refused naming the parameter:
     all ranks call save, load and export.  A tensor-parallel model's data-parallel mesh (``mesh["dp"]``) spans
-    every rank together with its tp mesh."""
+    every rank together with its tp mesh.  ``comm``: the ranks that save (default every rank; a pipeline
+    stage's)."""
+    comm = comm or store.comm
     meshes = {}
     tp_mesh = tp_mesh_of(model)
     tp_size = tp_mesh.size() if tp_mesh is not None else 1
@@ -30,24 +32,24 @@ def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str) -> dic
             raise ZinfCheckpointError(f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} "
                                       f"(option mesh: HSDP) beside tensor parallelism; checkpoints of a tp model "
                                       f"take a 1-D data-parallel mesh (mesh[\"dp\"])")
-        if record.mesh.everyone.world_size * tp_size != store.comm.world_size:
+        if record.mesh.everyone.world_size * tp_size != comm.world_size:
             raise ZinfCheckpointError(
                 f"zinf.{what}: parameter {record.name} is sharded over {record.mesh.describe()} (option mesh), which "
-                f"spans {record.mesh.everyone.world_size} of the {store.comm.world_size} ranks; checkpoints "
+                f"spans {record.mesh.everyone.world_size} of the {comm.world_size} ranks; checkpoints "
                 f"need a mesh over every rank. zinf.full_state_dict(model) gathers every weight on every rank of the "
                 f"mesh (save it from one rank with torch.save; load it with model.load_state_dict)")
         meshes.setdefault(id(record.mesh), (record.name, record.mesh))
     return meshes
 
 
-def model_mesh(store: ParamStore, model: torch.nn.Module, what: str):
+def model_mesh(store: ParamStore, model: torch.nn.Module, what: str, comm=None):
     """The one mesh the model's parameters are sharded over (None: the default group's ranks).
 
     Checkpoint files are numbered by the ranks of that one mesh: parameters
     sharded over different ones (or some over a mesh, some over every rank)
     are refused naming two of them.
     """
-    meshes = spanning_meshes(store, model, what)
+    meshes = spanning_meshes(store, model, what, comm)
     if len(meshes) > 1:
         (first, mesh), (second, other) = list(meshes.values())[:2]
         describe = lambda m: m.describe() if m is not None else "every rank"  # noqa: E731

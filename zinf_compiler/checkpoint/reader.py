@@ -29,15 +29,8 @@ class Checkpoint:
 
     def __init__(self, path: str, verify: bool = True):
         self.path = path
-        marker = os.path.join(path, COMMIT_MARKER)
-        if not os.path.lexists(marker):
-            raise ZinfCheckpointError(not_committed(path))
-        try:
-            meta_crc = int(read_checked(path, COMMIT_MARKER, None, "commit marker").decode().strip())
-        except ValueError:
-            raise ZinfCheckpointError(f"commit marker {marker} is damaged: the checkpoint is corrupt") from None
         meta_path = os.path.join(path, "meta.json")
-        self.meta = read_json_checked(path, "meta.json", meta_crc, "checkpoint metadata")
+        self.meta = read_committed_meta(path)
         check_meta(self.meta, meta_path)
         by_rank: dict[int, tuple[str, dict]] = {}
         for name, crc in sorted(self.meta["manifests"].items()):
@@ -149,6 +142,18 @@ class Checkpoint:
     def close(self) -> None:
         """Close the data files (the reader's open handles)."""
         self.reader.close()
+
+
+def read_committed_meta(path: str):
+    """The meta.json of the committed folder ``path``, checked against the CRC32 its commit marker holds."""
+    marker = os.path.join(path, COMMIT_MARKER)
+    if not os.path.lexists(marker):
+        raise ZinfCheckpointError(not_committed(path))
+    try:
+        meta_crc = int(read_checked(path, COMMIT_MARKER, None, "commit marker").decode().strip())
+    except ValueError:
+        raise ZinfCheckpointError(f"commit marker {marker} is damaged: the checkpoint is corrupt") from None
+    return read_json_checked(path, "meta.json", meta_crc, "checkpoint metadata")
 
 
 def not_committed(path: str) -> str:

@@ -19,6 +19,7 @@ from ..optim import Slot, StreamedState, ZinfOptimizer
 from ..runtime.checkpoint_files import (DTYPE_NAMES, ChecksummedWriter, ZinfCheckpointError, create_new, fsync_dir,
                                         replace_into_place, write_file_atomic, write_json_atomic)
 from ..runtime.store import ParamStore
+from . import pipeline_layout
 from .format import COMMIT_MARKER, FORMAT, hyper, rng_state, tensor_chunks, write_ranges
 from .model_state import (check_optimizer, model_mesh, named_buffers, named_params, names_by_tensor, sharded,
                           tp_mesh_of, tp_meta)
@@ -36,15 +37,27 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     or LR scheduler state; returned by :func:`load`).  RNG states are saved
     per rank.  The folder appears only once complete (see the module
     docstring); a checkpoint already at ``path`` is replaced.  Returns ``path``.
+
+    A pipeline stage's model (or its ``ZinfPipelineStage``), each rank passing
+    its own stage's: one folder for the whole pipeline, a stage folder per
+    stage (pipeline_layout.py).
     """
     path = os.path.abspath(os.fspath(path))
+    model = pipeline_layout.model_of(model)
     store = store_of(model)
-    comm = store.comm
-    rank = comm.rank
     store.collect()
+    stage = pipeline_layout.stage_of(store, model)
+    if stage is not None:
+        return _save_pipeline(store, path, model, optimizer, extra, stage)
+    return _save_over(store.comm, store, path, model, optimizer, extra)
+
+
+def _save_over(comm, store: ParamStore, path: str, model, optimizer, extra) -> str:
+    """:func:`save` over the ranks of ``comm`` (every rank, or a pipeline stage's)."""
+    rank = comm.rank
     # The files are numbered by shard rank.  With replicas (HSDP) every replica holds the same
     # shards: the first writes them, the others only take part in the agreement.
-    mesh = model_mesh(store, model, "save")
+    mesh = model_mesh(store, model, "save", comm)
     tp_mesh = tp_mesh_of(model)
     tp_rank = 0
     if tp_mesh is not None:
@@ -61,17 +74,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if optimizer is not None:
         check_optimizer(optimizer)
         optimizer.bind()
-    staging = path + ".partial"
-    prepared = None
-    if rank == 0:
-        try:
-            _remove(staging)  # what a killed save left (a link there is removed, never followed)
-            os.makedirs(staging)
-        except OSError as err:
-            prepared = f"cannot create {staging} ({err})"
-    prepared = comm.all_gather_object(prepared, "all_gather of checkpoint staging (save)")[0]
-    if prepared is not None:
-        raise ZinfCheckpointError(f"save to {path} failed; nothing was written: {prepared}")
+    staging = _prepare_staging(comm, path)
     outcome, failure = None, None
     written = None  # (manifest, its CRC32, data bytes) of a rank that writes
     try:
@@ -109,6 +112,70 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     return path
 
 
+def _save_pipeline(store: ParamStore, path: str, model, optimizer, extra, stage: tuple[int, int]) -> str:
+    """Every stage saves its model into its stage folder of ``<path>.partial`` over its own ranks; every rank then
+    agrees, and global rank 0 writes ``extra``, the layout's meta.json and COMMITTED and publishes the folder."""
+    world = store.comm
+    tp_mesh = tp_mesh_of(model)
+    layout = pipeline_layout.StageLayout(store, stage, tp_mesh.size() if tp_mesh is not None else 1, "save")
+    staging = _prepare_staging(world, path)
+    failure, outcome = None, None
+    try:
+        _save_over(layout.comm, store, pipeline_layout.stage_folder(staging, layout.index), model, optimizer, None)
+    except Exception as err:  # the other stages must hear of it
+        outcome, failure = f"stage {layout.index}: {err}", err  # (the same on each of the stage's ranks)
+    outcomes = world.all_gather_object(outcome, "all_gather of checkpoint outcomes (pipeline save)")
+    failed = list(dict.fromkeys(message for message in outcomes if message is not None))
+    if not failed and world.rank == 0:
+        try:
+            meta = pipeline_layout.top_meta(layout, world.world_size)
+            if extra is not None:
+                meta["extra"] = _write_extra(staging, extra)
+            meta_crc = write_json_atomic(os.path.join(staging, "meta.json"), meta)
+            write_file_atomic(os.path.join(staging, COMMIT_MARKER), f"{meta_crc}\n".encode())
+            fsync_dir(staging)
+            _publish(staging, path)
+        except Exception as err:
+            outcome, failure = f"committing (rank 0): {type(err).__name__}: {err}", err
+    if not failed:
+        committed = world.all_gather_object(outcome, "all_gather of the checkpoint commit (pipeline save)")[0]
+        failed = [committed] if committed is not None else []
+    if failed:
+        if world.rank == 0:
+            _remove(staging, quiet=True)
+        raise ZinfCheckpointError(f"save of the pipeline ({layout.describe()}) to {path} failed; nothing was "
+                                  f"committed (the previous checkpoint at that path, if any, is untouched): "
+                                  + "; ".join(failed)) from failure
+    return path
+
+
+def _prepare_staging(comm, path: str) -> str:
+    """``<path>.partial``, made empty by ``comm``'s rank 0 and agreed by every rank of ``comm``."""
+    staging = path + ".partial"
+    prepared = None
+    if comm.rank == 0:
+        try:
+            _remove(staging)  # what a killed save left (a link there is removed, never followed)
+            os.makedirs(staging)
+        except OSError as err:
+            prepared = f"cannot create {staging} ({err})"
+    prepared = comm.all_gather_object(prepared, "all_gather of checkpoint staging (save)")[0]
+    if prepared is not None:
+        raise ZinfCheckpointError(f"save to {path} failed; nothing was written: {prepared}")
+    return staging
+
+
+def _write_extra(folder: str, extra) -> dict:
+    """``extra`` into ``folder``/extra.pt, written whole and fsynced before it takes its name; its meta entry."""
+    extra_path = os.path.join(folder, "extra.pt")
+    with create_new(extra_path + ".tmp") as handle:
+        torch.save(extra, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    replace_into_place(extra_path + ".tmp", extra_path)
+    return {"file": "extra.pt", "crc32": _file_crc(extra_path)}
+
+
 def _commit(store: ParamStore, staging: str, path: str, model, optimizer, extra, world_size: int,
             manifests: dict[str, int], mesh, tp_mesh) -> None:
     """Rank 0: write ``extra``, ``meta.json`` and the commit marker into ``staging``, then publish it at ``path``."""
@@ -121,13 +188,7 @@ def _commit(store: ParamStore, staging: str, path: str, model, optimizer, extra,
         meta["mesh"] = {"replicas": mesh.replicate.world_size if mesh.replicate is not None else 1,
                         "shards": mesh.shard.world_size}
     if extra is not None:
-        extra_path = os.path.join(staging, "extra.pt")
-        with create_new(extra_path + ".tmp") as handle:
-            torch.save(extra, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        replace_into_place(extra_path + ".tmp", extra_path)
-        meta["extra"] = {"file": "extra.pt", "crc32": _file_crc(extra_path)}
+        meta["extra"] = _write_extra(staging, extra)
     meta_crc = write_json_atomic(os.path.join(staging, "meta.json"), meta)
     write_file_atomic(os.path.join(staging, COMMIT_MARKER), f"{meta_crc}\n".encode())
     fsync_dir(staging)
