@@ -128,13 +128,7 @@ def _save_pipeline(store: ParamStore, path: str, model, optimizer, extra, stage:
     failed = list(dict.fromkeys(message for message in outcomes if message is not None))
     if not failed and world.rank == 0:
         try:
-            meta = pipeline_layout.top_meta(layout, world.world_size)
-            if extra is not None:
-                meta["extra"] = _write_extra(staging, extra)
-            meta_crc = write_json_atomic(os.path.join(staging, "meta.json"), meta)
-            write_file_atomic(os.path.join(staging, COMMIT_MARKER), f"{meta_crc}\n".encode())
-            fsync_dir(staging)
-            _publish(staging, path)
+            _commit_folder(staging, path, pipeline_layout.top_meta(layout, world.world_size), extra)
         except Exception as err:
             outcome, failure = f"committing (rank 0): {type(err).__name__}: {err}", err
     if not failed:
@@ -187,6 +181,11 @@ def _commit(store: ParamStore, staging: str, path: str, model, optimizer, extra,
         # Said for the reader: the files are the shard group's; RNG states are the writing replica's only.
         meta["mesh"] = {"replicas": mesh.replicate.world_size if mesh.replicate is not None else 1,
                         "shards": mesh.shard.world_size}
+    _commit_folder(staging, path, meta, extra)
+
+
+def _commit_folder(staging: str, path: str, meta: dict, extra) -> None:
+    """Write ``extra`` (if any), ``meta.json`` and the commit marker into ``staging``, then publish it at ``path``."""
     if extra is not None:
         meta["extra"] = _write_extra(staging, extra)
     meta_crc = write_json_atomic(os.path.join(staging, "meta.json"), meta)
