@@ -28,7 +28,11 @@ Each composition runs twice:
    counters (``RUNTIME.comm.traffic_bytes``) are printed next to the wrapper's count of the
    ``torch.distributed`` part as a check.
 2. **Own processes** (peak RSS): FSDP2, zinf and zinf with ``offload_param``/``offload_optimizer`` =
-   ``nvme`` each in its own 4 processes (``--rss-steps`` steps); ``ru_maxrss`` of each rank.
+   ``nvme`` each in its own 4 processes; ``ru_maxrss`` of each rank.  With ``--meta`` every system builds the
+   model on the meta device and fills each parameter where it lives (FSDP2: ``to_empty``, then each rank its
+   shards; zinf: ``zinf.materialize``, each shard straight to its tier), with values that depend only on the
+   parameter's name (the eager reference computes the same): no rank ever holds the whole model, which is what
+   a model whose states outgrow RAM needs.
 
 Every system's losses (global-batch loss, averaged over the dp ranks) are compared with eager PyTorch's
 on the whole model and batch (one process, computed by the parent): a system off by more than
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import resource
 import shlex
@@ -51,6 +56,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import zlib
 
 import torch
 
@@ -73,17 +79,77 @@ class Block(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-def build(args, keep=range(10**9), prepare=lambda block: None) -> torch.nn.Sequential:
+def build(args, keep=range(10**9), prepare=lambda block: None, meta: bool = False) -> torch.nn.Sequential:
     """The model (the same initial weights everywhere): of its blocks, those ``keep`` names, each handed to
-    ``prepare`` (sharding) as soon as it is built, so that no rank holds more than one whole block at once."""
+    ``prepare`` (sharding) as soon as it is built, so that no rank holds more than one whole block at once.
+
+    ``meta``: the blocks are built on the meta device (shapes only), each remembering its index in the whole
+    model (``whole_index``), for :func:`meta_init` to fill them where they will live."""
     torch.manual_seed(0)
     blocks = []
     for index in range(args.blocks):
-        block = Block(args.width)
+        if meta:
+            with torch.device("meta"):
+                block = Block(args.width)
+        else:
+            block = Block(args.width)
+        block.whole_index = index
         if index in keep:
             prepare(block)
             blocks.append(block)
-    return torch.nn.Sequential(*blocks)
+    model = torch.nn.Sequential(*blocks)
+    if args.meta and not meta:  # (the eager reference of a --meta run: the values meta_init gives)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(meta_value(name, param.shape))
+    return model
+
+
+def meta_value(name: str, shape) -> torch.Tensor:
+    """--meta's initial value of the whole model's parameter ``name``: a function of the name alone, so that every
+    system computes it where the parameter lives (each rank its own slice)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    scale = 0.5 / math.sqrt(shape[-1]) if len(shape) > 1 else 0.01  # (a weight's outputs near its inputs' size)
+    return torch.randn(tuple(shape), generator=generator) * scale
+
+
+def meta_init(model: torch.nn.Module):
+    """The init function for a model of meta blocks (FSDP2's after ``to_empty``, zinf's ``materialize``): fills
+    a module's own parameters with :func:`meta_value` of their whole-model names, a DTensor (TP and/or FSDP2
+    shards) with its local slice only."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    names = {}
+    for block in model:
+        for child_name, child in block.named_modules():
+            names[id(child)] = f"{block.whole_index}.{child_name}".rstrip(".")
+
+    @torch.no_grad()
+    def init(module: torch.nn.Module) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            full = meta_value(f"{names[id(module)]}.{name}", param.shape)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+
+    return init
+
+
+def materialized(model: torch.nn.Module, system: str, options: dict | None) -> torch.nn.Module:
+    """A model of meta blocks given its memory: FSDP2's through ``to_empty`` and then its shards filled; zinf's
+    by ``zinf.materialize`` (module by module, each parameter's shard straight to its tier)."""
+    init = meta_init(model)
+    if system == "fsdp2":
+        model.to_empty(device="cpu")
+        for module in model.modules():
+            init(module)
+    else:
+        import zinf_compiler as zinf
+
+        zinf.materialize(model, options, init_fn=init, progress=False)
+    return model
 
 
 def loss_fn(output, target):
@@ -175,12 +241,33 @@ def install_send_counter() -> None:
 # --- one rank ----------------------------------------------------------------------------
 
 
+class PhasePeaks:
+    """This process's RSS sampled every 5 ms on a thread, its peak kept per phase of the run (``phase`` is set by
+    the worker: building, the warm-up steps, the measured steps): where a peak comes from, not only how high."""
+
+    def __init__(self):
+        import threading
+
+        self.phase, self.peaks = "start", {}
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * self._page
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            time.sleep(0.005)
+
+
+
+
 def _zinf_options(system: str, rank: int, args, mesh) -> dict:
     options = {"stage": 3, "mesh": mesh, "lower": args.lower}
     if system == "zinf_nvme":
         path = os.path.join(os.environ["TMPDIR"], f"swap{rank}")
         os.makedirs(path, exist_ok=True)
-        options.update(offload_param="nvme", offload_optimizer="nvme", nvme_path=path)
+        options.update(offload_param="nvme", offload_optimizer="nvme", nvme_path=path, **json.loads(args.nvme_options))
     return options
 
 
@@ -195,14 +282,18 @@ def _tp_system(system: str, args, mesh, rank: int):
         if system == "fsdp2":
             fully_shard(block, mesh=mesh["dp"])
 
-    model = build(args, prepare=prepare)
+    model = build(args, prepare=prepare, meta=args.meta)
+    options = _zinf_options(system, rank, args, mesh["dp"]) if system != "fsdp2" else None
     if system == "fsdp2":
         fully_shard(model, mesh=mesh["dp"])
+    if args.meta:
+        materialized(model, system, options)
+    if system == "fsdp2":
         forward, optimizer = model, torch.optim.AdamW(model.parameters(), **ADAMW)
     else:
         import zinf_compiler as zinf
 
-        forward = torch.compile(model, backend="zinf", options=_zinf_options(system, rank, args, mesh["dp"]))
+        forward = torch.compile(model, backend="zinf", options=options)
         optimizer = zinf.optim.AdamW(model.parameters(), **ADAMW)
     rows = slice(mesh["dp"].get_local_rank() * args.rows, (mesh["dp"].get_local_rank() + 1) * args.rows)
 
@@ -227,12 +318,16 @@ def _pp_system(system: str, args, mesh, rank: int):
         if system == "fsdp2":
             fully_shard(block, mesh=mesh["dp"])
 
-    module = build(args, range(pp_rank * per_stage, (pp_rank + 1) * per_stage), prepare)
+    module = build(args, range(pp_rank * per_stage, (pp_rank + 1) * per_stage), prepare, meta=args.meta)
+    options = _zinf_options(system, rank, args, mesh["dp"]) if system != "fsdp2" else None
+    if system == "fsdp2":
+        fully_shard(module, mesh=mesh["dp"])
+    if args.meta:
+        materialized(module, system, options)
     micro_rows = args.rows // args.micro_batches
     inputs = torch.empty(micro_rows, args.width, requires_grad=pp_rank > 0)
     outputs = torch.empty(micro_rows, args.width, requires_grad=True)
     if system == "fsdp2":
-        fully_shard(module, mesh=mesh["dp"])
         stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), input_args=inputs, output_args=outputs,
                               group=mesh["pp"].get_group())
         optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
@@ -240,7 +335,7 @@ def _pp_system(system: str, args, mesh, rank: int):
         import zinf_compiler as zinf
         from zinf_compiler.pipeline_parallel import ZinfPipelineStage
 
-        compiled = torch.compile(module, backend="zinf", options=_zinf_options(system, rank, args, mesh["dp"]))
+        compiled = torch.compile(module, backend="zinf", options=options)
         stage = ZinfPipelineStage(compiled, pp_rank, 2, torch.device("cpu"), input_args=inputs,
                                   output_args=outputs, group=mesh["pp"].get_group())
         optimizer = zinf.optim.AdamW(module.parameters(), **ADAMW)
@@ -277,7 +372,9 @@ def worker(args) -> None:
     data = batches(args, total_steps(args))
     result = {"rank": rank, "systems": {}}
     steps, errors = {}, {}
+    phases = PhasePeaks()
     for system in args.systems:
+        phases.phase = "build"
         try:
             steps[system] = make(system, args, mesh, rank)
         except Exception as err:  # recorded and reported; the other system still runs
@@ -298,6 +395,7 @@ def worker(args) -> None:
         record["zinf"].append(dict(RUNTIME.comm.traffic_bytes))
 
     for system in list(steps):  # warm-up: compiles, shards, creates optimizer state
+        phases.phase = "warm-up steps"
         try:
             for index in range(args.warmup):
                 one_step(system, index)
@@ -308,6 +406,7 @@ def worker(args) -> None:
     install_send_counter()
     for system in records:  # the warm-up's figures are not measured ones
         records[system].update(times=[], wire=[], zinf=[])
+    phases.phase = "measured steps"
     for round_index in range(args.rounds):
         for system in list(steps):
             for index in range(args.steps):
@@ -315,6 +414,7 @@ def worker(args) -> None:
     result["errors"] = errors
     result["systems"] = records
     result["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["phase_peaks"] = dict(phases.peaks)
     with open("/proc/self/statm") as statm:  # what the rank holds while it trains (the peak may be building)
         result["rss_now"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     with open(f"{os.environ['PEERS_OUT']}.rank{rank}", "w") as handle:
@@ -441,7 +541,7 @@ def own_processes(args, composition: str, reference: list[float]) -> None:
     print("| system | losses vs eager | median step (s, not interleaved) | peak RSS per rank (MiB) | max | RSS after "
           "the last step, max rank (MiB) |")
     print("|---|---|---|---|---|---|")
-    peaks = {}
+    peaks, phase_notes = {}, []
     for system in ("fsdp2", "zinf", "zinf_nvme"):
         results = launch(args, composition, [system])
         if "crash" in results[0]:
@@ -455,9 +555,20 @@ def own_processes(args, composition: str, reference: list[float]) -> None:
         peaks[system] = max(rss)
         print(f"| {SYSTEMS[system]} | {error or 'match'} | {statistics.median(results[0]['systems'][system]['times']):.3f} "
               f"| {', '.join(mib(v) for v in rss)} | {mib(max(rss))} | {mib(max(r['rss_now'] for r in results))} |")
+        phase_notes.append(f"{SYSTEMS[system]}: " + ", ".join(
+            f"{phase} {mib(max(r['phase_peaks'].get(phase, 0) for r in results))}"
+            for phase in results[0]["phase_peaks"]))
+    print("\nPeak RSS by phase, max rank (MiB; sampled every 5 ms): " + "; ".join(phase_notes))
     if "fsdp2" in peaks:
         print("\n" + "; ".join(f"{SYSTEMS[s]} / FSDP2 peak RSS {peaks[s] / peaks['fsdp2']:.2f}x"
                                for s in peaks if s != "fsdp2"))
+        states = 16 * parameter_count(args)
+        print(f"model states (fp32 weight, gradient, two Adam moments: 16 B/param) {mib(states)} MiB = "
+              f"{states / peaks['fsdp2']:.2f}x FSDP2's peak RSS per rank")
+
+
+def parameter_count(args) -> int:
+    return args.blocks * (8 * args.width * args.width + 5 * args.width)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -478,6 +589,12 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--tmp", default=None, help="folder for the runs' files (zinf's NVMe swap files)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--systems", help=argparse.SUPPRESS)
+    parser.add_argument("--meta", action="store_true",
+                        help="build every system's model on the meta device and fill each parameter where it lives "
+                             "(FSDP2: to_empty, then its shards; zinf: zinf.materialize), with values that depend on "
+                             "the parameter's name: no rank ever holds the whole model")
+    parser.add_argument("--nvme-options", default="{}",
+                        help="more zinf options for the nvme system, as JSON (e.g. '{\"pinned_bytes\": 134217728}')")
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.composition = args.worker
@@ -498,7 +615,7 @@ def main() -> int:
     print("command: " + shlex.join(["python", os.path.relpath(__file__, os.getcwd()), *sys.argv[1:]]))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
-    params = args.blocks * (8 * args.width * args.width + 5 * args.width)
+    params = parameter_count(args)
     print(f"torch {torch.__version__}, zinf at {commit.stdout.strip()}, {os.cpu_count()} CPUs, load average "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}; world {WORLD} (gloo), 1 thread per rank; "
           f"{args.blocks} blocks of width {args.width}: {params:,} parameters; {args.rows} rows per dp rank, "
