@@ -126,11 +126,17 @@ def _assert_schedule_equals_eager(results):
 
 @pytest.mark.slow  # world 4 per case
 @pytest.mark.parametrize("schedule", ["interleaved", "looped"])
-def test_two_stages_per_rank_equal_eager(schedule):
+def test_two_stages_per_rank_equal_eager(schedule, tmp_path):
     """ScheduleInterleaved1F1B and ScheduleLoopedBFS with 4 stages of one block, two per rank (stage i on pp rank
     i % 2), each its own zinf model over its dp ranks, one zinf AdamW over both of a rank's stages."""
-    _assert_schedule_equals_eager(run_ranks(4, "pp_schedules_worker", {"front_end": "manual", "schedule": schedule},
-                                            timeout=300))
+    results = run_ranks(4, "pp_schedules_worker", {"front_end": "manual", "schedule": schedule,
+                                                    "save_dir": str(tmp_path / "ckpt")}, timeout=300)
+    _assert_schedule_equals_eager(results)
+    # A checkpoint of such a pipeline is not supported yet: refused on every rank, saying why; nothing written.
+    for result in results:
+        assert "stages [0, 1] of 4" in result["save_error"] and "several stages per rank" in result["save_error"], \
+            result["save_error"]
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()
 
 
 @pytest.mark.slow  # world 4
