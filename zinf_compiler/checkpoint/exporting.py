@@ -11,11 +11,11 @@ import torch
 
 from .. import tensor_parallel
 from ..api import store_of, unwrap
-from ..runtime.checkpoint_files import (DTYPES_BY_NAME, ZinfCheckpointError, SafetensorsWriter, fsync_dir, replace_into_place,
-                                        write_json_atomic)
+from ..runtime.checkpoint_files import (DTYPES_BY_NAME, SafetensorsWriter, ZinfCheckpointError, fsync_dir,
+                                        replace_into_place, write_json_atomic)
 from ..runtime.store import ParamRecord, ParamStore
 from . import pipeline_layout
-from .model_state import named_buffers, named_params, spanning_meshes, tp_mesh_of
+from .model_state import named_buffers, named_params, spanning_meshes
 from .reader import Checkpoint
 
 
@@ -53,20 +53,21 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     # A pipeline: each stage writes its shard of the whole model's files, and an index names the file of each
     # tensor (transformers' sharded layout, which from_pretrained reads).
     world = store.comm
-    tp_mesh = tp_mesh_of(model)
-    layout = pipeline_layout.StageLayout(store, stage, tp_mesh.size() if tp_mesh is not None else 1, "export")
+    layout = pipeline_layout.StageLayout(store, model, stage, "export")
     file_name = f"model-{layout.index + 1:05d}-of-{layout.count:05d}.safetensors"
     written = _export_over(layout.comm, store, path, model, dtype, file_name, write_config=layout.index == 0)
     stages = world.all_gather_object(written if layout.comm.rank == 0 else None, "all_gather of exported names")
+    # (Checked on every rank, from what every rank has: an error raised by rank 0 alone would leave the others
+    # waiting in the barrier below.)
+    weight_map, total = {}, 0
+    for entries in filter(None, stages):
+        for name, nbytes, file in entries:
+            if name in weight_map:
+                raise ValueError(f"zinf.export: two pipeline stages hold a tensor named {name!r} (the stage "
+                                 f"module's whole_name(name) gives a stage's tensors their whole model's names)")
+            weight_map[name] = file
+            total += nbytes
     if world.rank == 0:
-        weight_map, total = {}, 0
-        for entries in filter(None, stages):
-            for name, nbytes, file in entries:
-                if name in weight_map:
-                    raise ValueError(f"zinf.export: two pipeline stages hold a tensor named {name!r} (the stage "
-                                     f"module's whole_name(name) gives a stage's tensors their whole model's names)")
-                weight_map[name] = file
-                total += nbytes
         write_json_atomic(os.path.join(path, "model.safetensors.index.json"),
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
         fsync_dir(path)

@@ -70,8 +70,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 def _load_pipeline(store: ParamStore, path: str, model, optimizer, weights_only: bool, stage: tuple[int, int]):
     """Each stage loads its folder over its own ranks; every check of every stage is agreed first."""
     world = store.comm
-    tp_mesh = tp_mesh_of(model)
-    layout = pipeline_layout.StageLayout(store, stage, tp_mesh.size() if tp_mesh is not None else 1, "load")
+    layout = pipeline_layout.StageLayout(store, model, stage, "load")
     extra, error = None, None
     try:
         top = pipeline_layout.read_top_meta(path)

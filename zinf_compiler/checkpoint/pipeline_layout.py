@@ -32,6 +32,7 @@ from ..api import unwrap
 from ..runtime.checkpoint_files import ZinfCheckpointError
 from ..runtime.store import ParamStore
 from .format import FORMAT
+from .model_state import tp_mesh_of
 from .reader import read_committed_meta
 from .validation import bad, is_number
 
@@ -61,8 +62,10 @@ class StageLayout:
     """Where every rank's stage lies: ``stages[rank]``, the stage of each global rank, and ``comm``, this stage's
     ranks' Comm (the stage folder's), and ``describe`` for messages: ``pp 2 x (tp 2 x dp 2)``."""
 
-    def __init__(self, store: ParamStore, stage: tuple[int, int], tp: int, what: str):
+    def __init__(self, store: ParamStore, model: torch.nn.Module, stage: tuple[int, int], what: str):
         world = store.comm
+        tp_mesh = tp_mesh_of(model)
+        tp = tp_mesh.size() if tp_mesh is not None else 1
         index, count = stage
         gathered = world.all_gather_object((index, count, tp), f"all_gather of the pipeline's stages ({what})")
         problems = []

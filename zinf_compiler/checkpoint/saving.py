@@ -116,8 +116,7 @@ def _save_pipeline(store: ParamStore, path: str, model, optimizer, extra, stage:
     """Every stage saves its model into its stage folder of ``<path>.partial`` over its own ranks; every rank then
     agrees, and global rank 0 writes ``extra``, the layout's meta.json and COMMITTED and publishes the folder."""
     world = store.comm
-    tp_mesh = tp_mesh_of(model)
-    layout = pipeline_layout.StageLayout(store, stage, tp_mesh.size() if tp_mesh is not None else 1, "save")
+    layout = pipeline_layout.StageLayout(store, model, stage, "save")
     staging = _prepare_staging(world, path)
     failure, outcome = None, None
     try:
