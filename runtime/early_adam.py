@@ -171,8 +171,18 @@ class EarlyAdam(EarlyStep):
     def _pool(self) -> PinnedPool:
         if self.pool is None:
             self.pool = self.nvme_adam.store.pinned_memory.quota(
-                "early_optimizer", early_step_pool_bytes(record.plan for record in self.records))
+                "early_optimizer", early_step_pool_bytes([record.plan for record in self.records],
+                                                         [record.plan for record in self.nvme_adam.records]))
         return self.pool
+
+    def pool_for_late_step(self) -> PinnedPool:
+        """The pool, lent to the optimizer's step after backward (NvmeAdam.step): by then :meth:`commit` has
+        settled every job and dropped every kept master, so nothing of this pipeline holds a buffer."""
+        pool = self._pool()
+        if pool.in_use_bytes:
+            raise RuntimeError(f"zinf: the early optimizer step still holds {pool.in_use_bytes:,} bytes of its "
+                               "pool after its commit (a bug)")
+        return pool
 
     def advance(self) -> bool:
         """Move every job on as far as it goes without waiting; True while any has transfers in flight (what

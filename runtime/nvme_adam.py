@@ -21,9 +21,8 @@ import dataclasses
 import torch
 
 from .aio import AioError
-from .swap_layout import SUB_GROUP_NUMEL  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
-
-STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+from .pool_sizes import optimizer_pool_bytes
+from .swap_layout import STATE_NAMES, SUB_GROUP_NUMEL  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
 
 
 def write_initial_master(store, record, local_fp32: torch.Tensor) -> None:
@@ -133,19 +132,33 @@ def stage_param(staging, group: SubGroup, master: torch.Tensor) -> bool:
 class NvmeAdam:
     """The streamed step for the nvme-tier parameters of one optimizer."""
 
-    def __init__(self, store, decoupled_weight_decay: bool):
+    def __init__(self, store, decoupled_weight_decay: bool, records: list):
+        """``records``: every parameter it may step (they size its pinned pool)."""
         self.store = store
         self.decoupled = decoupled_weight_decay
+        self.records = list(records)
+        self.pool = None  # PinnedPool: its own quota ("optimizer"), made at the first step after backward
         self.steps: dict[int, int] = {}  # uid -> optimizer steps taken
         self._shards_updated: list = []  # (record, group): in-memory shard slices the last step updated
         self.early = None  # EarlyAdam: the steps taken during backward (runtime/early_adam.py)
         self.store_wait_seconds = 120.0
 
-    def _start_reads(self, group: SubGroup, first_step: bool) -> None:
+    def _start_reads(self, pool, group: SubGroup, first_step: bool) -> None:
         # The gradient too, unless it is read in place from the gradient shard in memory.
         names = STATE_NAMES + (() if group.record.grad_in_ram else ("grad",))
-        take_buffers(group, self.store.pinned_pool(4 * group.numel * 4), names, self.store_wait_seconds)
+        take_buffers(group, pool, names, self.store_wait_seconds)
         start_reads(group, names, first_step)
+
+    def _pool(self):
+        """The pinned buffers of the step after backward: the early step's pool where there is one (idle once
+        it has committed, and sized for this step too), else a quota of its own, made on first need; never
+        the store's, whose graph fetches and gradient writes it would otherwise be sized for."""
+        if self.early is not None:
+            return self.early.pool_for_late_step()
+        if self.pool is None:
+            plans = [record.plan for record in self.records]
+            self.pool = self.store.pinned_memory.quota("optimizer", optimizer_pool_bytes(plans))
+        return self.pool
 
     def step(self, slots: list, hyper_by_slot: list[dict]) -> None:
         """Update every slot (record with its gradient shard) with its param group's hyperparameters.
@@ -167,18 +180,19 @@ class NvmeAdam:
         if not plan:
             return
         self.store.finish_grad_writes([group.record for group, _ in plan])
+        pool = self._pool()
         param_staging = {}  # uid -> PinnedBuffer holding the updated shard in compute dtype (nvme param tier)
         held: list[SubGroup] = []  # groups holding pool buffers, oldest first
         overwriting = False  # a state write was started (nvme_copies=1: in place)
         try:
             held.append(plan[0][0])
-            self._start_reads(plan[0][0], self.steps.get(plan[0][0].record.uid, 0) == 0)
+            self._start_reads(pool, plan[0][0], self.steps.get(plan[0][0].record.uid, 0) == 0)
             for position, (group, hyper) in enumerate(plan):
                 record = group.record
                 if position + 1 < len(plan):
                     upcoming = plan[position + 1][0]
                     held.append(upcoming)
-                    self._start_reads(upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
+                    self._start_reads(pool, upcoming, self.steps.get(upcoming.record.uid, 0) == 0)
                 for request in group.requests:
                     request.wait()
                 if record.grad_in_ram:
@@ -193,7 +207,7 @@ class NvmeAdam:
                                     beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"])
                 overwriting = True
                 start_writes(group)
-                self._publish_group(record, group, master, param_staging)
+                self._publish_group(pool, record, group, master, param_staging)
                 # Drain the previous groups' writes before their buffers go back to the pool.
                 while held[0] is not group:
                     _settle(held.pop(0), raise_errors=True)
@@ -234,7 +248,7 @@ class NvmeAdam:
                                            group.numel, torch.device("cpu"))
             record.shard[group.start : group.stop].copy_(master)
 
-    def _publish_group(self, record, group: SubGroup, master: torch.Tensor, param_staging: dict) -> None:
+    def _publish_group(self, pool, record, group: SubGroup, master: torch.Tensor, param_staging: dict) -> None:
         """Hand the updated slice to the parameter tier (nvme: the whole shard at once, to each of its swap keys)."""
         if record.params_in_master:
             return  # the master's write, in this transaction, is the parameter's
@@ -243,7 +257,7 @@ class NvmeAdam:
             record.shard[group.start : group.stop].copy_(master)
             return
         if record.uid not in param_staging:
-            param_staging[record.uid] = self.store.pinned_pool(record.shard_bytes).acquire(
+            param_staging[record.uid] = pool.acquire(
                 record.shard_bytes, timeout=self.store_wait_seconds)
         if stage_param(param_staging[record.uid], group, master):
             buffer = param_staging.pop(record.uid)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .nvme_adam import STATE_NAMES
 from .param_plan import ParamPlan
-from .swap_layout import ALIGNMENT, SUB_GROUP_NUMEL
+from .records import GRAD_WRITES_IN_FLIGHT
+from .swap_layout import STATE_NAMES, SUB_GROUP_NUMEL, align
 
 # The early optimizer step (early_adam.py): sub-groups whose reads run ahead of the one being stepped.
 READ_AHEAD = 2
@@ -17,23 +17,51 @@ READ_AHEAD = 2
 AUTO_GRAD_RAM_SHARE = 8
 
 
-def parameter_pool_bytes(largest_fp32_bytes: int) -> int:
-    """The store's pool (option ``pinned_bytes="auto"``), given the largest fp32 slice it will stage: two of
-    them (a fetch in flight while the optimizer stages one) plus the optimizer's twelve sub-group buffers
-    (three groups of master, two moments and gradient in flight); never under 64 MiB."""
-    group = min(largest_fp32_bytes, SUB_GROUP_NUMEL * 4)
-    return max(64 << 20, 2 * largest_fp32_bytes + 12 * group)
+def _largest_group(plans) -> int:
+    """Bytes of the largest optimizer sub-group (fp32) among ``plans`` whose optimizer rests on NVMe."""
+    return max([plan.state_groups[0][1] * 4 for plan in plans if plan.opt_tier == "nvme" and plan.local_numel]
+               + [0])
 
 
-def early_step_pool_bytes(plans: Iterable[ParamPlan]) -> int:
+def grad_write_reserve_bytes(plans) -> int:
+    """What gradient writes to NVMe may hold of the store's pool during backward: GRAD_WRITES_IN_FLIGHT
+    sub-groups, and one more being filled (store_grads.py)."""
+    return (GRAD_WRITES_IN_FLIGHT + 1) * align(_largest_group(plans))
+
+
+def parameter_pool_bytes(largest_fp32_bytes: int, plans=()) -> int:
+    """The store's pool (option ``pinned_bytes="auto"``), given the largest fp32 slice it will stage and the
+    ``plans`` of the parameters it serves: two such slices (a fetch in flight while the previous one is
+    copied out), a third up to one sub-group's size (the prefetch reading further ahead; no more for a huge
+    one, an embedding of gigabytes), and the gradient writes' reserve; never under 64 MiB.
+
+    The optimizer's step after backward takes its buffers from a pool of its own
+    (:func:`optimizer_pool_bytes`), so this one is not sized for them."""
+    fetches = 2 * align(largest_fp32_bytes) + align(min(largest_fp32_bytes, SUB_GROUP_NUMEL * 4))
+    return max(64 << 20, fetches + grad_write_reserve_bytes(plans))
+
+
+def optimizer_pool_bytes(plans: Iterable[ParamPlan]) -> int:
+    """The NVMe optimizer's step after backward (nvme_adam.py) for parameters with ``plans``: three
+    sub-groups in flight (one being written, one stepped, the next read), four buffers each (master, two
+    moments, gradient), and one parameter shard in compute dtype being staged for its swap file."""
+    plans = list(plans)
+    group = align(_largest_group(plans))
+    shard = max([align(plan.local_numel * plan.compute_dtype.itemsize)
+                 for plan in plans if plan.param_tier == "nvme" and not plan.params_in_master] + [0])
+    return 3 * (len(STATE_NAMES) + 1) * group + shard
+
+
+def early_step_pool_bytes(plans: Iterable[ParamPlan], all_plans: Iterable[ParamPlan] = ()) -> int:
     """The early optimizer step's pool for parameters with ``plans``: the sub-groups reading ahead and one
     writing, three state buffers each, and the shards of two parameters in compute dtype (one being written
-    while the next is staged)."""
+    while the next is staged).  The step after backward borrows it, idle by then, for the optimizer's
+    ``all_plans`` (those stepped late), so it is never smaller than :func:`optimizer_pool_bytes` of them."""
     plans = list(plans)
-    group = max(plan.state_groups[0][1] * 4 + ALIGNMENT for plan in plans)
-    shard = max([plan.local_numel * plan.compute_dtype.itemsize + ALIGNMENT
+    group = align(_largest_group(plans))
+    shard = max([align(plan.local_numel * plan.compute_dtype.itemsize)
                  for plan in plans if not plan.params_in_master] + [0])
-    return (READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard
+    return max((READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard, optimizer_pool_bytes(all_plans))
 
 
 def auto_grad_ram_bytes(available: int | None, ranks_on_node: int) -> int:

@@ -134,9 +134,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         """The swap engines, one per nvme_path."""
         return list(self.offload.engines_by_path.values())
 
-    def plan_shards(self, largest_shard_numel: int) -> None:
-        """Before adoption: the largest slice any offloaded parameter will have (sizes the pool)."""
-        self.offload.plan_shards(largest_shard_numel)
+    def plan_shards(self, plans) -> None:
+        """Before adoption: the plans of the parameters adopted next (they size the pool)."""
+        self.offload.plan_shards(plans)
 
     def pinned_pool(self, at_least: int) -> PinnedPool:
         """The process's pinned pool, made on first need (see :meth:`OffloadResources.pinned_pool`)."""

@@ -17,10 +17,9 @@ import torch
 from .aio import AioEngine
 from .ledger import ZinfStoreError
 from .pinned import PinnedMemory, PinnedPool
-from .pool_sizes import parameter_pool_bytes
-from .records import GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS
+from .pool_sizes import grad_write_reserve_bytes, parameter_pool_bytes
+from .records import POOL_WAIT_SECONDS
 from .swap_folders import FolderWatch
-from .swap_layout import SUB_GROUP_NUMEL
 from .trace import Tracer
 
 
@@ -39,7 +38,7 @@ class OffloadResources:
         self.engines_by_path: dict[str, AioEngine] = {}
         self.pinned: PinnedPool | None = None
         self.settings: dict = {}
-        self.largest_shard_numel = 0  # of every parameter planned for offload (sizes the pinned pool)
+        self.planned: list = []  # ParamPlan of every parameter planned before its adoption (sizes the pool)
 
     def configure(self, nvme_path: str | None, pinned_bytes, aio_block_size: int, aio_queue_depth: int,
                   aio_threads: int, nvme_copies: int = 2) -> None:
@@ -68,9 +67,10 @@ class OffloadResources:
                 f"was made with nvme_copies={engine.copies}; use one value per nvme_path")
         return engine
 
-    def plan_shards(self, largest_shard_numel: int) -> None:
-        """Before adoption: the largest slice any offloaded parameter will have (sizes the pool)."""
-        self.largest_shard_numel = max(self.largest_shard_numel, largest_shard_numel)
+    def plan_shards(self, plans: Iterable) -> None:
+        """Before adoption: the plans of the parameters adopted next (their slices size the pool, which the
+        first adopted one may make)."""
+        self.planned.extend(plans)
 
     def pinned_pool(self, at_least: int, records: Iterable) -> PinnedPool:
         """The pinned pool, made on first need (``pinned_bytes``, or sized from ``records``' shards and
@@ -78,9 +78,10 @@ class OffloadResources:
         if self.pinned is None:
             wanted = self.settings.get("pinned_bytes", "auto")
             if wanted == "auto":
-                wanted = parameter_pool_bytes(
-                    max([r.local_numel * 4 for r in records] + [at_least, self.largest_shard_numel * 4]))
+                plans = [r.plan for r in records] + self.planned
+                wanted = parameter_pool_bytes(max([plan.local_numel * 4 for plan in plans] + [at_least]), plans)
             self.pinned = self.pinned_memory.quota("parameters", int(wanted))
+            self.planned = []  # (read only to size it)
         return self.pinned
 
     def prefetch_pinned_bytes(self, records: list) -> int | None:
@@ -93,8 +94,7 @@ class OffloadResources:
         if self.pinned is None:
             return None
         largest = max([r.shard_bytes for r in records if r.param_tier == "nvme"] + [0])
-        group = min(max([r.local_numel * 4 for r in records] + [0]), SUB_GROUP_NUMEL * 4)
-        reserve = (GRAD_WRITES_IN_FLIGHT + 1) * group if any(r.opt_tier == "nvme" for r in records) else 0
+        reserve = grad_write_reserve_bytes([r.plan for r in records])
         return max(self.pinned.capacity_bytes - reserve - largest, largest)
 
     def write_swap(self, engine: AioEngine, key: str, tensor: torch.Tensor, records: Iterable = ()) -> None:

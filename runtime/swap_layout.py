@@ -22,6 +22,7 @@ from __future__ import annotations
 
 ALIGNMENT = 4096  # O_DIRECT reads and writes, the pinned pool's blocks (see aio.py, pinned.py)
 SUB_GROUP_NUMEL = 16 * 1024 * 1024  # 64 MiB of fp32 per state tensor per group
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")  # the optimizer states kept per sub-group
 
 
 def align(nbytes: int) -> int:

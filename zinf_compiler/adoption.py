@@ -107,8 +107,7 @@ def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]
         return plan_for(param, tile_rows, options, shard.world_size, shard.rank, owner=shard.rank, **tiers)
 
     plans = [plan_of(param, tile_rows) for param, tile_rows in new]
-    for plan in plans:
-        store.plan_shards(plan.local_numel)
+    store.plan_shards(plans)
     if _cache_on(options):
         plans = _choose_cached(store, new, plans, options, plan_of)
     needed = sum(options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)

@@ -107,7 +107,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     the forward's autograd nodes hold), and copies offloaded to ``cpu`` or
     ``nvme`` (option ``offload_activations``); at stage 0 they are counted
     for the process only.  ``pinned``: per consumer of the process's pinned memory (parameters,
-    activations, early_optimizer), its ``quota``, ``in_use``, ``peak`` bytes and ``pinned`` (page-locked).
+    activations, and each NVMe optimizer's own pool: early_optimizer, or optimizer where it steps only after
+    backward), its ``quota``, ``in_use``, ``peak`` bytes and ``pinned`` (page-locked).
     The figures are this model's alone: another model in the same process
     has its own (and its own ``device_memory_limit``).
     """

@@ -166,7 +166,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 "fp16 overflow checks span one group of ranks: use one optimizer per mesh")
         self._inner = make_inner(self.inner_class, self.defaults, inner_groups)
         if self._nvme_slots:
-            self._nvme = NvmeAdam(self._store, decoupled_weight_decay=self.inner_class is torch.optim.AdamW)
+            self._nvme = NvmeAdam(self._store, decoupled_weight_decay=self.inner_class is torch.optim.AdamW,
+                                  records=[slot.record for slot, _ in self._nvme_slots])
             early = [(slot.record, self.param_groups[group_index]) for slot, group_index in self._nvme_slots
                      if slot.record.step_in_backward]
             if early:

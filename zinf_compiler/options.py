@@ -286,7 +286,7 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("nvme_copies", 2, _choice(2, 1),
                "copies of each swap file: 2 keeps the last good step through a failed write, 1 halves the disk"),
     OptionSpec("pinned_bytes", "auto", _or_keyword("auto", parse_bytes, "a byte count"),
-               "size of the reused pinned buffer pool"),
+               "size of the store's reused pinned buffer pool (the graph's NVMe reads, gradient writes)"),
     OptionSpec("collective_timeout", 600, _int_at_least(1),
                "seconds a collective waits for the other ranks before an error naming it (gloo; NCCL "
                "uses the process group's timeout)"),

@@ -49,7 +49,7 @@ from .blueprint import Blueprint, blueprint
 from .options import ZinfOptions, budget_bytes, parse_options
 from .ram_cache import choose_tiers
 from .runtime.param_plan import ParamPlan, choose_owner
-from .runtime.pool_sizes import auto_grad_ram_bytes, early_step_pool_bytes, parameter_pool_bytes
+from .runtime.pool_sizes import auto_grad_ram_bytes, early_step_pool_bytes, optimizer_pool_bytes, parameter_pool_bytes
 from .runtime.host_memory import available_bytes, ranks_on_node
 from .tile_plan import tile_rows_for
 
@@ -260,7 +260,7 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
             tiling_moved += _tiling_bytes(*model.weight_matmuls[name], len(tile_rows),
                                           planned[-1][3].compute_dtype.itemsize)
     # The pinned pool, where one is made: sized from every parameter's slice (adoption plans them all).
-    pool_bytes = (parameter_pool_bytes(max([p.local_numel * 4 for *_, p in planned] + [0]))
+    pool_bytes = (parameter_pool_bytes(max([p.local_numel * 4 for *_, p in planned] + [0]), [p for *_, p in planned])
                   if options.pinned_bytes == "auto" else int(options.pinned_bytes))
     if options.host_memory is not None or options.ram_cache_bytes is not None:
         # The RAM cache's choice, as adoption makes it (zinf_compiler/ram_cache.py).
@@ -298,12 +298,18 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
             host_stepped += plan.local_numel if plan.stage > 0 else plan.numel
     if saved is not None:
         memory["device"]["activations"] = saved
-    pinned = dict.fromkeys(("parameters", "activations", "early_optimizer"), 0)
+    pinned = dict.fromkeys(("parameters", "activations", "early_optimizer", "optimizer"), 0)
     if any("nvme" in (p.param_tier, p.opt_tier) for p in plans):  # (what reads and writes swap)
         pinned["parameters"] = pool_bytes
-    early = [p for p in plans if p.step_in_backward and p.opt_tier == "nvme" and p.local_numel]
+    # The NVMe optimizer's buffers: the early step's pool, which the step after backward borrows; without an
+    # early step, a pool of the late step's own (runtime/nvme_adam.py).
+    stepped_on_disk = [p for p, (param, *_) in zip(plans, planned)
+                       if p.opt_tier == "nvme" and p.local_numel and param.requires_grad]
+    early = [p for p in stepped_on_disk if p.step_in_backward]
     if early:
-        pinned["early_optimizer"] = early_step_pool_bytes(early)
+        pinned["early_optimizer"] = early_step_pool_bytes(early, stepped_on_disk)
+    elif stepped_on_disk:
+        pinned["optimizer"] = optimizer_pool_bytes(stepped_on_disk)
     step = None
     if profile is not None and flops is not None:
         host_early = accelerated and any(p.step_in_backward and p.opt_tier == "cpu" for p in plans)

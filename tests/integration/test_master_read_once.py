@@ -22,6 +22,7 @@ from zinf_compiler.runtime.early_adam import EarlyAdam
 from zinf_compiler.runtime.fetched_masters import FetchedMasters
 from zinf_compiler.runtime.nvme_adam import SubGroup
 from zinf_compiler.runtime.pinned import PinnedPool
+from zinf_compiler.runtime.pool_sizes import optimizer_pool_bytes
 from zinf_compiler.runtime.trace import Tracer
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -150,3 +151,31 @@ def test_a_kept_master_counts_only_while_its_good_copy_on_disk_is_the_one_read(t
         assert kept.stats == {"kept": 2, "reused": 1, "reused_bytes": 4096, "dropped": 1}
     finally:
         engine.close()
+
+
+def test_the_step_after_backward_borrows_the_early_steps_pool(tmp_path):
+    """A clip voids every early step: the step after backward then steps them all, with buffers lent by the
+    early step's pool (idle after its commit), not from the store's pool (sized for the graph's fetches and
+    gradient writes alone) nor from a pool of its own; the result is eager's."""
+    clip = {1: 0.05, 2: 0.05}
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    compiled = torch.compile(model, backend="zinf", options={
+        "stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)})
+    opt = zinf.optim.AdamW(model.parameters(), **ADAMW)
+    for step, batch in enumerate(synthetic_batches(CFG, 4, STEPS)):
+        compiled(*batch).backward()
+        if step in clip:
+            opt.clip_grad_norm_(clip[step])
+        opt.step()
+        opt.zero_grad()
+    nvme = opt._nvme
+    records = [RUNTIME.store.lookup(p) for p in model.parameters()]
+    # (step 0 binds the optimizer; step 1's early steps are dropped; after a clip, step 2 steps none early)
+    assert nvme.early.stats == {"started": len(records), "committed": 0, "dropped": len(records)}
+    assert nvme.pool is None, "the late step made a pool of its own beside the early step's"
+    assert nvme.early.pool.peak_in_use_bytes > 0 and nvme.early.pool.in_use_bytes == 0
+    assert nvme.early.pool.capacity_bytes >= optimizer_pool_bytes([record.plan for record in records])
+    state = zinf.full_state_dict(compiled)
+    for name, value in _eager(clip).items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -69,6 +69,10 @@ def test_the_plan_predicts_what_memory_report_then_shows(case, tmp_path):
     # The store's pinned pool (made once per process, at the first NVMe transfer) is the one predicted.
     if "nvme" in options.values():
         assert report["pinned"]["parameters"]["quota"] == predicted.pinned["parameters"] > 0
+        # And the optimizer's own: the early step's pool (the step after backward borrows it), or the late one's.
+        nvme = opt._nvme
+        own, consumer = (nvme.early.pool, "early_optimizer") if nvme.early is not None else (nvme.pool, "optimizer")
+        assert own.capacity_bytes == predicted.pinned[consumer] > 0, (consumer, predicted.pinned)
     else:
         assert predicted.pinned["parameters"] == 0
     # The swap files on disk (one copy written so far per key at most) fit the predicted swap space.
@@ -323,7 +327,9 @@ def test_the_gradients_a_step_during_backward_holds_count_in_the_peak(tmp_path):
     assert on_disk.early_step_grads == grads
     late = zinf.plan(blueprint, None, {**nvme, "nvme_grad_ram_bytes": 0, "overlap_optimizer": False})
     assert late.early_step_grads == 0
-    early_pool = on_disk.pinned["early_optimizer"] - late.pinned["early_optimizer"]  # (its own staging pool)
-    assert on_disk.peak_rss(0, built_in_memory=False) == late.peak_rss(0, built_in_memory=False) + grads + early_pool
+    # (the early step's pool, which the late step borrows, in place of the late step's own)
+    assert late.pinned["early_optimizer"] == 0 and on_disk.pinned["optimizer"] == 0
+    pools = on_disk.pinned["early_optimizer"] - late.pinned["optimizer"]
+    assert on_disk.peak_rss(0, built_in_memory=False) == late.peak_rss(0, built_in_memory=False) + grads + pools
     in_ram = zinf.plan(blueprint, None, {**nvme, "nvme_grad_ram_bytes": 1 << 40})
     assert in_ram.early_step_grads == 0 and in_ram.memory["cpu"]["grads"] == grads

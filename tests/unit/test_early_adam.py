@@ -56,7 +56,7 @@ class Side:
             self.store.release_full_storage([record])
             self.records[name] = record
         self.group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-        self.adam = NvmeAdam(self.store, decoupled_weight_decay=True)
+        self.adam = NvmeAdam(self.store, decoupled_weight_decay=True, records=list(self.records.values()))
         if early:
             self.adam.early = EarlyAdam(self.adam, [(record, self.group) for record in self.records.values()])
 
