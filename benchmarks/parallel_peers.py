@@ -336,8 +336,9 @@ def _pp_system(system: str, args, mesh, rank: int):
         from zinf_compiler.pipeline_parallel import ZinfPipelineStage
 
         compiled = torch.compile(module, backend="zinf", options=options)
+        stage_options = json.loads(args.nvme_stage_options) if system == "zinf_nvme" else {}
         stage = ZinfPipelineStage(compiled, pp_rank, 2, torch.device("cpu"), input_args=inputs,
-                                  output_args=outputs, group=mesh["pp"].get_group())
+                                  output_args=outputs, group=mesh["pp"].get_group(), **stage_options)
         optimizer = zinf.optim.AdamW(module.parameters(), **ADAMW)
     schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
     rows = slice(dp_rank * args.rows, (dp_rank + 1) * args.rows)
@@ -595,6 +596,9 @@ def parse(argv=None) -> argparse.Namespace:
                              "the parameter's name: no rank ever holds the whole model")
     parser.add_argument("--nvme-options", default="{}",
                         help="more zinf options for the nvme system, as JSON (e.g. '{\"pinned_bytes\": 134217728}')")
+    parser.add_argument("--nvme-stage-options", default="{}",
+                        help="ZinfPipelineStage arguments for the nvme system, as JSON (e.g. '{\"gather_once\": true, "
+                             "\"reduce_once\": true}': hold the stage for the step, as the device tier does)")
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.composition = args.worker

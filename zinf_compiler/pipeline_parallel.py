@@ -20,19 +20,25 @@ torch's own ``PipelineStage`` is not enough:
   pipeline's receives).  Checked when the stage is built, from the options it was compiled with, on
   every rank before any collective.
 
-* **Gathered once per step** (``gather_once=True``, the default): from the step's first forward to its
-  last backward the stage's parameters stay gathered (the store's hold, runtime/store_fetch.py, keyed by
-  parameter), so each is all-gathered once per step, not once per micro-batch and pass (the forward and
-  backward graphs bucket them differently: the backward's units are served from the forward's values).
-  That holds the stage's whole parameters on the device for the step; ``gather_once=False`` gathers per
-  use, as without pipelining.  Any lowering: each use gets its own copy of the held values, which the
-  compiled graph may overwrite (Inductor reuses an op output's buffer after its last use).
+* **Gathered once per step** (``gather_once=True``): from the step's first forward to its last backward
+  the stage's parameters stay gathered (the store's hold, runtime/store_fetch.py, keyed by parameter), so
+  each is all-gathered once per step, not once per micro-batch and pass (the forward and backward graphs
+  bucket them differently: the backward's units are served from the forward's values).  That holds the
+  stage's whole parameters on the device for the step; ``gather_once=False`` gathers per use, as without
+  pipelining.  Any lowering: each use gets its own copy of the held values, which the compiled graph may
+  overwrite (Inductor reuses an op output's buffer after its last use).
 
-* **Reduced once per step** (``reduce_once=True``, the default): each unit's gradients are summed on the
-  device over the step's micro-batches (runtime/store_grads.py, hold_grads) and reduce-scattered by the
-  step's last backward, not after each micro-batch's.  That holds the stage's unsharded gradients on the
-  device for the step (FSDP2's ``set_requires_gradient_sync(False)`` until the last micro-batch);
+* **Reduced once per step** (``reduce_once=True``): each unit's gradients are summed on the device over
+  the step's micro-batches (runtime/store_grads.py, hold_grads) and reduce-scattered by the step's last
+  backward, not after each micro-batch's.  That holds the stage's unsharded gradients on the device for
+  the step (FSDP2's ``set_requires_gradient_sync(False)`` until the last micro-batch);
   ``reduce_once=False`` reduces per micro-batch and accumulates into the shards.
+
+* **The default** (``"auto"`` for both): once per step where the stage's parameters rest on the device
+  (FSDP2's choice: fewer collectives for the memory of the stage's whole parameters and gradients), per
+  micro-batch where any rests offloaded (``offload_param`` cpu or nvme): a model offloaded because it does
+  not fit must not be held whole on the device for a step (benchmarks/RESULTS.md, "Peak RSS per rank on a
+  model built on meta", has both measured).
 
 docs/notes/pipeline.md has the measured counts and what is left.
 """
@@ -59,17 +65,22 @@ class ZinfPipelineStage(PipelineStage):
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device,
                  input_args=None, output_args=None, group: dist.ProcessGroup | None = None, *,
-                 gather_once: bool = True, reduce_once: bool = True, **kwargs):
+                 gather_once: bool | str = "auto", reduce_once: bool | str = "auto", **kwargs):
         if input_args is None or output_args is None:
             raise ZinfPipelineError(
                 f"pipeline stage {stage_index}: zinf needs the stage's shapes up front: pass input_args and "
                 f"output_args (one micro-batch's example tensors, requires_grad=True where a gradient flows "
                 f"between stages). Without them torch infers the shapes by running a backward at the first "
                 f"step, whose gradients zinf would add to that step's.")
+        for name, value in (("gather_once", gather_once), ("reduce_once", reduce_once)):
+            if value not in (True, False, "auto"):
+                raise ZinfPipelineError(f"pipeline stage {stage_index}: {name}={value!r}; use True, False or "
+                                        f"'auto' (once per step unless the stage's parameters are offloaded)")
         _agree_on_stages(submodule, stage_index, group, input_args, output_args)
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group, **kwargs)
         self.gather_once, self.reduce_once = gather_once, reduce_once
+        self._grads_held = False  # this step's gradients are summed over its micro-batches (reduce_once)
         self._holding: set = set()  # the model groups whose gathers or gradients this stage holds now
         # The stage's model is part of a whole one: its gradient norm (clip_grad_norm_) spans the pipeline.
         store = store_of(submodule)
@@ -92,7 +103,7 @@ class ZinfPipelineStage(PipelineStage):
         if not last_backward:
             return super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
         store = store_of(self.submod)
-        if self.reduce_once:
+        if self._grads_held:
             store.reduce_held_grads_next(self._holding)
         try:
             output = super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
@@ -107,18 +118,21 @@ class ZinfPipelineStage(PipelineStage):
         unit's gradients are reduced once (reduce_once; runtime/store_grads.py, hold_grads)."""
         if self._holding or not (self.has_backward and torch.is_grad_enabled()):
             return
-        self._holding = {record.group for record in self._records()}
+        records = self._records()
+        self._holding = {record.group for record in records}
         store = store_of(self.submod)
-        if self.gather_once:
+        offloaded = any(record.param_tier != "device" for record in records)
+        if self.gather_once is True or (self.gather_once == "auto" and not offloaded):
             store.hold_gathers(self._holding)
-        if self.reduce_once:
+        self._grads_held = self.reduce_once is True or (self.reduce_once == "auto" and not offloaded)
+        if self._grads_held:
             store.hold_grads(self._holding)
 
     def _end_hold(self) -> None:
         store = store_of(self.submod)
         store.end_held_gathers(self._holding)
         store.end_held_grads(self._holding, reduced=False)  # (dropped: what is left belongs to a failed step)
-        self._holding = set()
+        self._holding, self._grads_held = set(), False
 
     def _records(self) -> list:
         store = store_of(self.submod)

@@ -4,8 +4,8 @@ Each stage of a 4-block MLP is compiled with zinf at stage 3 over its dp ranks (
 in ``ZinfPipelineStage`` and driven by torch's ``ScheduleGPipe`` / ``Schedule1F1B`` with 4 micro-batches
 per dp rank (tests/workers/pp_worker.py).  After 3 AdamW steps the losses and every stage's parameters
 equal eager's on the whole batch, and each stage all-gathers its units once per step and reduce-scatters
-its gradients once, after the last micro-batch (the defaults ``gather_once``, ``reduce_once``), under
-eager and Inductor lowering.
+its gradients once, after the last micro-batch (the defaults ``gather_once``, ``reduce_once``: "auto"),
+under eager and Inductor lowering; with the parameters offloaded, "auto" gathers and reduces per micro-batch.
 """
 
 import pytest
@@ -43,6 +43,20 @@ def _assert_collectives_once_per_step(results):
         assert step["reduce_scatter"] == reduces[-1], step
 
 
+def _assert_collectives_per_micro_batch(results):
+    """Each micro-batch's forward gathers the stage's units and its backward as many again (here its graph
+    buckets the parameters into as many units): 2 x 4x the default; each backward reduce-scatters its units:
+    4x the default."""
+    for result in results:
+        step = result["calls"][1]
+        units = step["forward_all_gathers"][0]
+        assert units > 0 and step["forward_all_gathers"] == [units] * MICRO_BATCHES, step
+        assert step["all_gather"] == 2 * MICRO_BATCHES * units, step
+        reduces = step["backward_reduce_scatters"][0]
+        assert reduces > 0 and step["backward_reduce_scatters"] == [reduces] * MICRO_BATCHES, step
+        assert step["reduce_scatter"] == MICRO_BATCHES * reduces, step
+
+
 @pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])  # the default run: 1F1B
 def test_pipeline_stage3_equals_eager(schedule):
     results = run_ranks(4, "pp_worker", {"schedule": schedule, "steps": 3}, timeout=300)
@@ -64,10 +78,12 @@ def test_a_buffer_saved_for_backward_trains_under_1f1b_with_broadcast_buffers():
 @pytest.mark.parametrize("schedule,grad_ram", [("gpipe", "auto"), ("1f1b", 0)])
 def test_pipeline_stage3_nvme_equals_eager(schedule, grad_ram):
     """Parameters and Adam's state in swap files; the gradients in RAM ("auto" keeps this small model's
-    there) or in swap files too (0: the micro-batch scaling is applied when the step reads them)."""
+    there) or in swap files too (0: the micro-batch scaling is applied when the step reads them).  Offloaded
+    parameters are not held on the device for the step: the default gathers and reduces per micro-batch."""
     options = {"offload_param": "nvme", "offload_optimizer": "nvme", "nvme_grad_ram_bytes": grad_ram}
-    _assert_equals_eager(run_ranks(4, "pp_worker", {"schedule": schedule, "steps": 3, "options": options},
-                                   timeout=300))
+    results = run_ranks(4, "pp_worker", {"schedule": schedule, "steps": 3, "options": options}, timeout=300)
+    _assert_equals_eager(results)
+    _assert_collectives_per_micro_batch(results)
 
 
 @pytest.mark.slow  # world 4 with Inductor's compile: about 1.5 minutes
@@ -86,20 +102,11 @@ def test_pipeline_under_inductor_gathers_once_per_step_and_equals_eager():
 
 @pytest.mark.slow  # world 4, eager lowering
 def test_pipeline_per_micro_batch_collectives():
-    """gather_once=False, reduce_once=False: collectives per use.  Each micro-batch's forward gathers the
-    stage's units and its backward as many again (here its graph buckets the parameters into as many
-    units): 2 x 4x the default; each backward reduce-scatters its units: 4x the default."""
+    """gather_once=False, reduce_once=False: collectives per use (device tier, where "auto" holds)."""
     results = run_ranks(4, "pp_worker", {"schedule": "1f1b", "steps": 3, "gather_once": False,
                                          "reduce_once": False}, timeout=300)
     _assert_equals_eager(results)
-    for result in results:
-        step = result["calls"][1]
-        units = step["forward_all_gathers"][0]
-        assert units > 0 and step["forward_all_gathers"] == [units] * MICRO_BATCHES, step
-        assert step["all_gather"] == 2 * MICRO_BATCHES * units, step
-        reduces = step["backward_reduce_scatters"][0]
-        assert reduces > 0 and step["backward_reduce_scatters"] == [reduces] * MICRO_BATCHES, step
-        assert step["reduce_scatter"] == MICRO_BATCHES * reduces, step
+    _assert_collectives_per_micro_batch(results)
 
 
 @pytest.mark.slow  # world 4 three times (no compile)
@@ -108,7 +115,8 @@ def test_pipeline_refusals():
     the tensor between them: a clear error on every rank when the stages are built, before any step."""
     for args, expected in (({"mesh": "whole"}, "of other pipeline stages"),
                            ({"mesh": "none"}, "of other pipeline stages"),
-                           ({"bad_boundary": True}, "disagree on the tensors between them")):
+                           ({"bad_boundary": True}, "disagree on the tensors between them"),
+                           ({"gather_once": "always"}, "gather_once='always'; use True, False or 'auto'")):
         for result in run_ranks(4, "pp_worker", {"schedule": "gpipe", **args}, timeout=300):
             assert expected in result.get("error", ""), result
 

@@ -109,8 +109,8 @@ def main():
         outputs = torch.empty(micro_rows, WIDTH, requires_grad=True)
         stage = ZinfPipelineStage(compiled, pp_rank, 2, torch.device("cpu"), input_args=inputs,
                                   output_args=outputs, group=mesh["pp"].get_group(),
-                                  gather_once=args.get("gather_once", True),
-                                  reduce_once=args.get("reduce_once", True))
+                                  gather_once=args.get("gather_once", "auto"),
+                                  reduce_once=args.get("reduce_once", "auto"))
         per_micro_batch = {"forward_all_gathers": _count_per_micro_batch(stage, "forward_one_chunk", "all_gather"),
                            "backward_reduce_scatters": _count_per_micro_batch(stage, "backward_one_chunk",
                                                                               "reduce_scatter")}
