@@ -51,9 +51,9 @@ def stage_file(dump_dir: str, graph_id: int, kind: str, stage: str) -> str:
     raise SystemExit(f"no graph {graph_id} in {dump_dir}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m zinf_compiler.inspect") -> int:
     """Print a dump folder's summary, or with ``--graph`` one graph file; returns the exit status (2: file missing)."""
-    parser = argparse.ArgumentParser(prog="python -m zinf_compiler.inspect", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("dump_dir", help="a folder written with options={'dump_dir': ...}")
     parser.add_argument("--graph", type=int, help="print one graph file: its graph id")
     parser.add_argument("--kind", default="forward", choices=["forward", "backward", "inference"])

@@ -27,6 +27,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -68,7 +69,23 @@ def _model_and_batch(args) -> tuple[torch.nn.Module, tuple]:
             model = GPT(config)
         vocab = config.vocab_size
     tokens = torch.randint(0, vocab, (args.batch, args.seq))
+    if args.hf_config:
+        return model, _hf_batch(model, tokens)
     return model, (tokens, tokens)
+
+
+def _hf_batch(model: torch.nn.Module, tokens: torch.Tensor) -> tuple:
+    """``tokens`` as a Hugging Face causal LM's ``input_ids`` and ``labels``, positionally (the planner calls the
+    model with positional arguments): each argument between them at its default (``model(tokens, tokens)``
+    would pass the labels as the attention mask, and plan a forward without its loss)."""
+    names = list(inspect.signature(model.forward).parameters.values())
+    at = {parameter.name: index for index, parameter in enumerate(names)}
+    if at.get("input_ids") != 0 or "labels" not in at:
+        raise ValueError(f"{type(model).__name__}.forward takes no input_ids first and labels: not a causal LM "
+                         f"zinf can plan from --hf-config")
+    batch = [parameter.default for parameter in names[: at["labels"] + 1]]
+    batch[0], batch[at["labels"]] = tokens, tokens
+    return tuple(batch)
 
 
 def probe_rates(nvme_path: str | None, dtype: torch.dtype, world_size: int = 1,
@@ -122,9 +139,9 @@ def _probe_rank(rank: int, world_size: int, address: str, threads: int, scratch:
         torch.distributed.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m zinf_compiler.plan_cli") -> int:
     """Plan the model ``argv`` describes under each option set and print the table (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m zinf_compiler.plan_cli", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-config", help="a Hugging Face config.json (or its folder): plan that causal LM")
     parser.add_argument("--n-layer", type=int, default=12)
     parser.add_argument("--n-embd", type=int, default=768)

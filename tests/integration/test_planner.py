@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import types
 import sys
 
 import pytest
@@ -333,3 +334,28 @@ def test_the_gradients_a_step_during_backward_holds_count_in_the_peak(tmp_path):
     assert on_disk.peak_rss(0, built_in_memory=False) == late.peak_rss(0, built_in_memory=False) + grads + pools
     in_ram = zinf.plan(blueprint, None, {**nvme, "nvme_grad_ram_bytes": 1 << 40})
     assert in_ram.early_step_grads == 0 and in_ram.memory["cpu"]["grads"] == grads
+
+
+def test_plan_cli_plans_a_hugging_face_config_with_its_labels(tmp_path, capsys):
+    """``zinf plan --hf-config``: the batch gives the token ids as ``input_ids`` and as ``labels`` (each
+    argument between them at its default; the labels passed as the attention mask, as ``model(tokens,
+    tokens)`` did, plan a forward without its loss), and the plan counts what the loss saves for backward."""
+    import inspect as pyinspect
+
+    from transformers import LlamaConfig
+
+    from zinf_compiler import plan_cli
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path)
+    args = types.SimpleNamespace(hf_config=str(tmp_path), batch=2, seq=16)
+    model, batch = plan_cli._model_and_batch(args)
+    names = list(pyinspect.signature(model.forward).parameters)
+    assert batch[0].shape == (2, 16) and batch[names.index("labels")] is batch[0], batch
+    assert batch[names.index("attention_mask")] is None and len(batch) == names.index("labels") + 1
+    with_loss, without = zinf.plan(model, batch, {"stage": 3}), zinf.plan(model, batch[:1], {"stage": 3})
+    saved = with_loss.memory["device"]["activations"] - without.memory["device"]["activations"]
+    assert saved >= 2 * 16 * 128 * 4, saved  # (at least the log-softmax of the logits the loss saves)
+    assert plan_cli.main(["--hf-config", str(tmp_path), "--batch", "2", "--seq", "16"]) == 0
+    assert "stage" in capsys.readouterr().out
