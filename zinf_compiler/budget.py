@@ -70,6 +70,10 @@ CACHE_TRIES = 4
 # Of host_memory, the share the predicted peak RSS leaves free: the planner's peak is within about 11% of the
 # measured one (benchmarks/plan_accuracy.py) and under it with most state on NVMe (benchmarks/budgets.py).
 RSS_MARGIN = Fraction(1, 20)
+# What a BudgetError's smallest host_memory adds for the process's own growth before the caller asks again
+# (the blueprint's fake run and torch's caches grew the RSS by 0.1-0.3 MiB a call: the exact figure named was
+# refused when asked for); the figure is then rounded up to a whole MiB.
+NAMED_BUDGET_SLACK = 4 << 20
 
 
 class BudgetError(ZinfOptionError):
@@ -219,8 +223,11 @@ def _room(host: int) -> int:
 
 
 def _smallest_host(predicted_rss: int) -> int:
-    """The smallest host_memory whose :func:`_room` holds ``predicted_rss``."""
-    return -(-predicted_rss * RSS_MARGIN.denominator // (RSS_MARGIN.denominator - RSS_MARGIN.numerator))
+    """The smallest host_memory to name for ``predicted_rss``: one whose :func:`_room` holds it with
+    :data:`NAMED_BUDGET_SLACK` to spare, in whole MiB (so that asking for it again fits)."""
+    exact = -(-(predicted_rss + NAMED_BUDGET_SLACK) * RSS_MARGIN.denominator
+              // (RSS_MARGIN.denominator - RSS_MARGIN.numerator))
+    return -(-exact // (1 << 20)) * (1 << 20)
 
 
 def _fits(prediction: Prediction, budgets: dict) -> bool:
@@ -248,7 +255,7 @@ def _unfit(weighed: list, budgets: dict, fixed: dict, world_size: int) -> str:
     disk = f", and {_size(least.swap_space)} of disk at nvme_path" if least.swap_space else ""
     shown = {k: v for k, v in least.compile_options().items() if k != "host_memory"}
     lines.append(f"The smallest host_memory that fits is {_size(smallest)} ({smallest:,} bytes: the predicted peak "
-                 f"RSS, the process's own included, and a {float(RSS_MARGIN):.0%} margin) with {_shown(shown)}{disk}.")
+                 f"RSS, the process's own included, and a {float(RSS_MARGIN):.0%} margin, rounded up) with {_shown(shown)}{disk}.")
     if "nvme_path" not in fixed and least.swap_space:
         lines.append("Give an nvme_path to let zinf stream state from disk.")
     return " ".join(lines)

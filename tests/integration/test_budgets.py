@@ -111,6 +111,19 @@ def test_a_budget_nothing_fits_names_the_smallest_that_would(tmp_path):
         zinf.plan(_blueprint(), BATCHES[0], {"host_memory": smallest}, process_bytes=PROCESS_BYTES)
 
 
+def test_the_named_smallest_budget_fits_when_asked_for_with_the_process_measured(tmp_path):
+    """Without ``process_bytes`` the plan measures this process's RSS at each call, and it grows between calls
+    (the fake run, torch's caches): the figure a BudgetError names keeps room for that, so asking for it fits,
+    call after call."""
+    for _ in range(3):
+        with pytest.raises(zinf.BudgetError, match="smallest host_memory that fits is") as raised:
+            zinf.plan(_blueprint(), BATCHES[0], {"host_memory": "64MiB", "nvme_path": str(tmp_path)})
+        smallest = int(re.search(r"\(([0-9,]+) bytes", str(raised.value)).group(1).replace(",", ""))
+        assert smallest % (1 << 20) == 0, smallest
+        chosen = zinf.plan(_blueprint(), BATCHES[0], {"host_memory": smallest, "nvme_path": str(tmp_path)})
+        assert chosen.predicted_rss <= smallest
+
+
 def test_options_set_explicitly_win_and_are_checked_against_the_budget(tmp_path):
     in_ram = {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}
     roomy = zinf.plan(_blueprint(), BATCHES[0], {"host_memory": "64GiB", "offload_optimizer": "cpu"},
