@@ -20,7 +20,7 @@ Runs on the CUDA device (scripts/gpu_check.sh runs both on a GPU machine, with
 zinf installed into a temporary folder); ``GPU_CHECK_DEVICE=cpu`` runs the same
 checks on the CPU, which is how this script itself is tested where there is no GPU
 (tests/integration/test_gpu_check_script.py).
-First run on one H100 (torch 2.11) in session 18; figures in RESULTS.md.
+First run on one H100 (torch 2.11) on 2026-11-26; figures in RESULTS.md.
 """
 
 from __future__ import annotations

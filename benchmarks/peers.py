@@ -25,7 +25,7 @@ system at world sizes 1 and 2 (gloo on localhost, one process per rank):
   none (``zinf_nvme_disk``, every gradient in swap files);
   ``zinf_nvme_early`` and ``zinf_nvme_ram_early`` are the first two with
   ``overlap_optimizer=True`` (the optimizer stepped during backward, which
-  "auto" also does since session 17), and ``zinf_nvme_late`` the default with
+  "auto" also does since 2026-11-25), and ``zinf_nvme_late`` the default with
   ``overlap_optimizer=False`` (every step after backward); ``zinf_cache``,
   ``zinf_cache_1536m`` and ``zinf_cache_1g`` the default with ``host_memory``
   2.9 GiB, 1.5 GiB and 1 GiB (the RAM cache over the NVMe tier keeps the
@@ -132,7 +132,7 @@ SYSTEMS = {
     "zinf_nvme_ram": ("zinf stage 3, offload nvme, gradients in RAM", "zinf",
                       {"device": "nvme", "placement": "nvme", "grads_in_ram": True}),
     # The two above with the optimizer stepped during backward (overlap_optimizer=True; "auto", the default,
-    # is the same since session 17), and the default with it off: what it changes, in the same run.
+    # is the same since 2026-11-25), and the default with it off: what it changes, in the same run.
     "zinf_nvme_early": ("zinf stage 3, offload nvme, optimizer during backward", "zinf",
                         {"device": "nvme", "placement": "nvme", "overlap_optimizer": True}),
     "zinf_nvme_ram_early": ("zinf stage 3, offload nvme, gradients in RAM, optimizer during backward", "zinf",

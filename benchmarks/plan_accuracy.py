@@ -52,13 +52,13 @@ CONFIGS = {
     "gpt-s2-cpu-w2": ("gpt", 2, {"stage": 2, "offload_optimizer": "cpu"}),
     "llama-s3-nvme-w1": ("llama", 1, {"stage": 3, **NVME}),
     "llama-s3-cpu-w2": ("llama", 2, {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}),
-    # Not in the run that calibrated zinf_compiler/planner.py's two RSS terms (session 20):
+    # Not in the run that calibrated zinf_compiler/planner.py's two RSS terms (2026-11-26):
     "gpt-s3-bf16-cpu-w1": ("gpt", 1, {"stage": 3, "param_dtype": "bf16", "offload_param": "cpu",
                                       "offload_optimizer": "cpu"}),
     "llama-s3-device-w1": ("llama", 1, {"stage": 3}),
     "gpt-s3-cache-w1": ("gpt", 1, {"stage": 3, **NVME, "host_memory": 600 << 20}),
     "gpt-s3-nvme-ckpt-w2": ("gpt", 2, {"stage": 3, **NVME, "activation_checkpointing": "block"}),
-    # Session 26: tiling's own cost without the disk's (the planner's tiling term).
+    # 2026-11-27: tiling's own cost without the disk's (the planner's tiling term).
     "gpt-s3-tiled-w1": ("gpt", 1, {"stage": 3, "tile_threshold": 1 << 20, "tile_factor": 4}),
 }
 

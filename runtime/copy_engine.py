@@ -11,7 +11,7 @@ the caller holds them) until the work is waited on.
   runs at once on the caller's thread instead when the compute already keeps
   every core busy (torch's threads times the node's ranks cover the cores):
   there a worker only takes a core from the compute and adds a hand-off to
-  each wait (benchmarks/RESULTS.md, session 17: with the trim change in
+  each wait (benchmarks/RESULTS.md, 2026-11-25: with the trim change in
   zinf_compiler/optim.py, the cpu tier's GPT step at world size 1 on 2
   cores went from 0.550 s to 0.402 s).  Copies next to NVMe reads keep the
   worker, which fills the main thread's waits on the disk.

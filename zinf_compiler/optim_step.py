@@ -29,7 +29,7 @@ def host_memory_bounded(records) -> bool:
     where the compute device is the CPU and nothing rests on NVMe: the pages
     freed by a step are the next step's gathers and gradients, and trimming
     them costs a page fault per page again every step, for a peak that stays
-    the same (benchmarks/RESULTS.md, session 17: with the inline gather copy
+    the same (benchmarks/RESULTS.md, 2026-11-25: with the inline gather copy
     of runtime/copy_engine.py, the cpu tier's GPT step at world size 1 went
     from 0.550 s to 0.402 s, equal to the step without offload).
     """

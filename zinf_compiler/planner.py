@@ -57,7 +57,7 @@ TIERS = ("device", "cpu", "nvme")
 KINDS = ("params", "grads", "optimizer", "activations")
 # What compiling and running a model's graphs keeps in RSS beyond its tensors (Dynamo, AOTAutograd and
 # Inductor's state, the generated code, allocator slack): measured 89-157 MiB for the benchmark's GPT and
-# Llama (4 layers, width 512) at world size 1 (benchmarks/plan_accuracy.py, session 20).
+# Llama (4 layers, width 512) at world size 1 (benchmarks/plan_accuracy.py, 2026-11-26).
 COMPILE_BYTES = 128 << 20
 # At world size > 1: gathered parameters and unreduced gradients in flight, in units of the whole model's
 # compute-dtype bytes (measured: 1.0-1.3 of them above COMPILE_BYTES at world size 2, stages 2 and 3).
@@ -349,7 +349,7 @@ def _tiling_bytes(inputs: int, outputs: int, tiles: int, itemsize: int) -> int:
     column slices are copied for the input gradient's and the weight gradient's matmuls (read and written twice),
     the input gradient is accumulated over the tiles (read and written once per tile after the first) and x is
     read by each tile's weight-gradient matmul (once per tile after the first).  Measured without this term: the
-    plan_accuracy GPT tiled by 4 stepped 11% slower than untiled on the device (RESULTS.md, session 24)."""
+    plan_accuracy GPT tiled by 4 stepped 11% slower than untiled on the device (RESULTS.md, 2026-11-27)."""
     return itemsize * (2 * outputs + 2 * outputs + 2 * (tiles - 1) * inputs + (tiles - 1) * inputs)
 
 

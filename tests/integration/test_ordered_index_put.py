@@ -1,6 +1,6 @@
 """The embedding's backward gives the same bits every time under Inductor (zinf_compiler/ordered_index_put.py).
 
-Found running the README's example twice (session 29): the losses parted from the second step, for every
+Found running the README's example twice (2026-11-27): the losses parted from the second step, for every
 offload and stage under Inductor, because ATen's accumulating index_put on the CPU adds across threads in
 whatever order they come unless deterministic algorithms are on *when it runs*; zinf had them on only while
 lowering.

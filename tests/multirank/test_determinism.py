@@ -4,7 +4,7 @@ Issue 35: resuming a stage-3 NVMe run was not always bit-identical (2 of 6 runs 
 differed in last bits).  The cause was not zinf's timing-dependent choices but Inductor's CPU code:
 scatter-adds (the embedding's backward) use atomic adds across threads, so with 2+ threads even plain
 ``torch.compile`` gives different last bits from run to run.  zinf now lowers with torch's deterministic
-algorithms on (``lowering.deterministic_lowering``), and (session 29) runs the index_puts Inductor leaves to
+algorithms on (``lowering.deterministic_lowering``), and (2026-11-27) runs the index_puts Inductor leaves to
 ATen with them on too (``ordered_index_put``): ATen's CPU kernel chooses its add order when it runs.
 
 The GPT is 256 wide so that its embedding's backward adds 128 tokens x 256 = 32,768 values at world 1, the

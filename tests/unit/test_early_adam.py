@@ -258,7 +258,7 @@ def test_zero_grad_before_the_step_drops_the_early_steps_and_their_held_copies(s
 
 
 @pytest.mark.parametrize("step_in_backward, copies, expected", [
-    ("auto", 2, True),  # on a CPU device too since session 17 (gradients in RAM by default)
+    ("auto", 2, True),  # on a CPU device too since 2026-11-25 (gradients in RAM by default)
     (False, 2, False),
     (True, 2, True),
     ("auto", 1, False),  # a held copy needs the second slot of nvme_copies=2

@@ -1,4 +1,4 @@
-"""Two host-side policies of a CPU device (session 17): where a world-1 gather copies, and when a step trims.
+"""Two host-side policies of a CPU device (2026-11-25): where a world-1 gather copies, and when a step trims.
 
 * ``CopyEngine.copy(..., busy_cores_inline=True)`` copies at once on the
   caller's thread when the compute's threads already occupy every core, and

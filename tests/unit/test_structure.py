@@ -257,3 +257,38 @@ def test_the_check_sees_an_oversized_class(tmp_path):
     probe.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "\n\nclass Small:\n    y = 2\n")
     assert oversized(probe) == [f"  {tmp_path.name}/probe.py:1 class Big: {MAX_CLASS_LINES + 1} lines "
                                 f"(at most {MAX_CLASS_LINES})"]
+
+
+# The repository speaks of dates and commits, never of the work sessions that made it (a word of this project's
+# history that means nothing to a reader). (The pattern is split so that this file does not match it.)
+WORK_SESSION = re.compile(r"\bsess" + r"ions? [0-9]", re.IGNORECASE)
+TEXT_PLACES = ("README.md", "pyproject.toml", ".ci", "benchmarks", "docs", "examples", "passes", "runtime", "scripts",
+               "tests", "zinf_compiler")
+
+
+def work_sessions_named(root: pathlib.Path) -> list[str]:
+    """``path:line`` of every line under ``root``'s text places that names a work session by number."""
+    found = []
+    for place in TEXT_PLACES:
+        paths = [root / place] if (root / place).is_file() else sorted((root / place).rglob("*"))
+        for path in paths:
+            if not path.is_file() or path.suffix not in ("", ".py", ".md", ".sh", ".toml", ".txt", ".json"):
+                continue
+            try:
+                lines = path.read_text().splitlines()
+            except (UnicodeDecodeError, OSError):
+                continue
+            found += [f"  {path.relative_to(root)}:{number}: {line.strip()[:100]}"
+                      for number, line in enumerate(lines, 1) if WORK_SESSION.search(line)]
+    return found
+
+
+def test_no_text_names_a_work_session():
+    found = work_sessions_named(REPO)
+    assert not found, "dates and commits, not work sessions:\n" + "\n".join(found)
+
+
+def test_the_check_sees_a_planted_work_session(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.md").write_text("measured on 2026-11-27\nas " + "Sess" + "ion 12 found\n")
+    assert work_sessions_named(tmp_path) == ["  docs/notes.md:2: as " + "Sess" + "ion 12 found"]
