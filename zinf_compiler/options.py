@@ -479,6 +479,14 @@ def _describe_mesh(mesh: Any) -> str:
     return f"a mesh of {dist.get_world_size(replicate)} replicas x {dist.get_world_size(shard)} shards"
 
 
+def options_markdown() -> str:
+    """The option table as Markdown (name, default, meaning): docs/options.md's summary, written by
+    scripts/options_doc.py and compared with this by tests/unit/test_options_doc.py."""
+    rows = ["| name | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{spec.name}` | `{spec.default!r}` | {spec.meaning.replace('|', '/')} |" for spec in OPTION_SPECS]
+    return "\n".join(rows)
+
+
 def describe_options() -> str:
     """The option table as text (for ``--help`` style output and errors)."""
     width = max(len(spec.name) for spec in OPTION_SPECS)

@@ -405,7 +405,7 @@ def test_an_optimizer_over_a_meta_model_names_materialize():
 
 def test_a_meta_model_without_materialize_names_materialize():
     # With real inputs Dynamo itself stops first ("Tensor device mismatch ... cpu and meta", see
-    # the README); when the graph reaches zinf, its error says what to do.
+    # docs/usage.md); when the graph reaches zinf, its error says what to do.
     with torch.device("meta"):
         model = mlp()
     compiled = torch.compile(model, backend="zinf", options=STAGE3)

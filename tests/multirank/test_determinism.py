@@ -11,7 +11,7 @@ The GPT is 256 wide so that its embedding's backward adds 128 tokens x 256 = 32,
 size from which ATen's CPU kernel (with 2 threads) adds across threads unless told not to; the test's first
 width (32) stayed under it and could not see that nondeterminism.
 
-Each run here is the README's default (Inductor, stage 3, parameters and optimizer on NVMe, default
+Each run here is the default a user gets (Inductor, stage 3, parameters and optimizer on NVMe, default
 options) in fresh processes, 6 steps with a checkpoint every 3; the resumed runs stop after step 2 and
 a new process resumes from the checkpoint.  Compared byte for byte with the uninterrupted run on a
 quiet machine: every loss, the final parameters and the final checkpoint's data files (fp32 masters and
@@ -20,7 +20,7 @@ both Adam moments of every rank's shards).  The runs that could differ by timing
 * resumed with two busy-looping processes on the machine's cores all the while;
 * ``overlap_optimizer`` forced on (steps committed during backward, checked > 0) and off (none).
 
-This is the test behind the README's "resumes bit-identically" and "a committed step is bit-equal to
+This is the test behind docs/usage.md's "resumes bit-identically" and "a committed step is bit-equal to
 the step after backward".
 """
 

@@ -121,7 +121,7 @@ def test_gpt_with_a_graph_break_after_qkv_equals_eager(layout, world):
     results = run_ranks(world, "tp_model_worker", {"model": "gpt", "layout": layout, "break_after_qkv": True},
                         timeout=600)
     # (No share of the states to check: Dynamo cannot resume inside the GPT's loop over blocks, so it runs the
-    # rest of that loop eagerly, and those parameters stay whole, in no graph, as the README says.)
+    # rest of that loop eagerly, and those parameters stay whole, in no graph, as docs/usage.md says.)
     _assert_model_equals_eager(results, "break")
 
 
