@@ -16,17 +16,13 @@ from zinf_compiler.runtime.store import ParamStore
 from zinf_compiler.runtime.tensor_parallel import local_of
 from zinf_compiler.runtime.tiers import TIERS
 from zinf_compiler import tensor_parallel
+from zinf_compiler.module_paths import unwrap  # noqa: F401  (zinf's callers' name for it)
 
 # The process's runtime (runtime/process.py): the one instance, read only by the entry layer
 # (this file, backend.py, optim.py), which hands its parts to everything else.
 RUNTIME = Runtime()
 
 KINDS = ("params", "grads", "optimizer", "activations")
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Accept the module or its ``torch.compile`` wrapper."""
-    return getattr(model, "_orig_mod", model)
 
 
 def store_of(model: torch.nn.Module) -> ParamStore:

@@ -18,6 +18,7 @@ COMMANDS = {
 
 
 def usage() -> str:
+    """The help text: the commands and what each does."""
     width = max(map(len, COMMANDS))
     lines = ["usage: zinf <command> [arguments]", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items()]

@@ -38,7 +38,7 @@ import torch
 
 from .adoption import adopt, model_mesh, plan_offload, planned_as
 from .blueprint import default_device
-from .checkpoint import _aliases
+from .module_paths import names_by_tensor
 from .options import parse_options
 from .runtime.aio import human_bytes
 from .runtime.checkpoint_files import RangeReader, ZinfCheckpointError, open_safetensors
@@ -83,7 +83,7 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
     files, names_by_id = {}, {}
     if weights is not None:
         files = open_safetensors(os.fspath(weights))
-        names_by_id = _aliases(model)
+        names_by_id = names_by_tensor(model)
         _check_weights(files, names_by_id, meta, model, weights)
     reader = RangeReader()
     mesh = model_mesh(parsed, store.comm)

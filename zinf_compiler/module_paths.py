@@ -209,3 +209,19 @@ class ModuleBlocks:
             return None
         spelling = list(stack.values())[-1][0]
         return self.block_of(self.path(str(spelling)))
+
+
+# --- a model's own names -------------------------------------------------------
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Accept the module or its ``torch.compile`` wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def names_by_tensor(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(tensor) -> every state-dict name it appears under (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return names

@@ -13,6 +13,9 @@ a circle closed at call time is still a circle in the design.  The rules:
 - runtime/ imports nothing of zinf_compiler/ or passes/ (the runtime knows nothing of
   the compile side); passes/ reads of runtime/ only layouts and constants
   (:data:`RUNTIME_FOR_PASSES`);
+- no module imports a layer above its own: runtime/, the compile side (zinf_compiler/
+  and passes/), the entry layer, the top layer (:data:`TOP_LAYER`: what users call that
+  is built on the entry layer, such as checkpoint/);
 - no file over :data:`MAX_FILE_LINES` lines, no class over :data:`MAX_CLASS_LINES`.
 
 Importing a submodule runs its parent packages' ``__init__`` too; those implicit
@@ -184,6 +187,49 @@ def test_passes_read_only_layouts_and_constants_of_the_runtime():
                       for m in groups["passes/"] if (graph[m] & groups["runtime/"]) - RUNTIME_FOR_PASSES)
     assert not reaching, (f"passes/ imports runtime modules beyond {sorted(RUNTIME_FOR_PASSES)}:\n"
                           + "\n".join(reaching))
+
+
+# The top layer: what users call that is built on the entry layer (docs/architecture.md): the package's public
+# namespace, the checkpoints, the Hugging Face helpers and the pipeline stage.
+TOP_LAYER = {PACKAGE, f"{PACKAGE}.hf", f"{PACKAGE}.pipeline_parallel"}
+TOP_LAYER_PACKAGES = (f"{PACKAGE}.checkpoint",)
+LAYER_NAMES = ("runtime/", "the compile side (zinf_compiler/ and passes/)", "the entry layer", "the top layer")
+
+
+def layer_of(module: str) -> int:
+    """The module's layer, lowest first: 0 runtime/, 1 the compile side (passes/ with it), 2 the entry layer
+    (:data:`ENTRY_LAYER`), 3 the top layer."""
+    if module == RUNTIME_PACKAGE or module.startswith(RUNTIME_PACKAGE + "."):
+        return 0
+    if module in TOP_LAYER or any(module == p or module.startswith(p + ".") for p in TOP_LAYER_PACKAGES):
+        return 3
+    return 2 if module in ENTRY_LAYER else 1
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a layer above the importer's, as ``  importer (layer) -> imported (layer)``."""
+    return [f"  {module} ({LAYER_NAMES[layer_of(module)]}) -> {target} ({LAYER_NAMES[layer_of(target)]})"
+            for module, targets in sorted(graph.items()) for target in sorted(targets)
+            if layer_of(target) > layer_of(module)]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = import_graph(FOLDERS)
+    assert {layer_of(m) for m in graph} == {0, 1, 2, 3}, "a layer has no module: is the layout what this expects?"
+    found = upward_imports(graph)
+    assert not found, "imports against the layers of docs/architecture.md:\n" + "\n".join(found)
+
+
+def test_the_check_sees_planted_upward_imports():
+    planted = {"zinf_compiler.planner": {"zinf_compiler.api", "zinf_compiler.options"},
+               "zinf_compiler.optim": {"zinf_compiler.checkpoint.saving", "zinf_compiler.runtime.store"},
+               "zinf_compiler.runtime.store": {"zinf_compiler.passes.tile"},
+               "zinf_compiler.hf": {"zinf_compiler.optim", "zinf_compiler.checkpoint.loading"}}
+    assert upward_imports(planted) == [
+        "  zinf_compiler.optim (the entry layer) -> zinf_compiler.checkpoint.saving (the top layer)",
+        "  zinf_compiler.planner (the compile side (zinf_compiler/ and passes/)) -> zinf_compiler.api (the entry layer)",
+        "  zinf_compiler.runtime.store (runtime/) -> zinf_compiler.passes.tile (the compile side (zinf_compiler/ and "
+        "passes/))"]
 
 
 def oversized(path: pathlib.Path) -> list[str]:

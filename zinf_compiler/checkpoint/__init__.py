@@ -61,11 +61,8 @@ from ..runtime.checkpoint_files import ZinfCheckpointError
 from .exporting import export, to_safetensors
 from .format import COMMIT_MARKER, FORMAT
 from .loading import latest, load
-from .model_state import names_by_tensor
 from .reader import Checkpoint
 from .saving import save
-
-_aliases = names_by_tensor  # (the name materialize.py imports)
 
 __all__ = ["save", "load", "latest", "export", "to_safetensors", "ZinfCheckpointError", "Checkpoint", "COMMIT_MARKER",
            "FORMAT"]

@@ -73,14 +73,6 @@ def named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]
     return list(unwrap(model).named_parameters())  # tied parameters once, under their first name
 
 
-def names_by_tensor(model: torch.nn.Module) -> dict[int, list[str]]:
-    """id(tensor) -> every state-dict name it appears under (tied weights have several)."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
-        names.setdefault(id(tensor), []).append(name)
-    return names
-
-
 def named_buffers(model: torch.nn.Module, param_ids: set[int]) -> list[tuple[str, torch.Tensor]]:
     """Persistent buffers (what ``state_dict`` holds besides parameters), once each."""
     seen, buffers = set(), []

@@ -15,14 +15,14 @@ import torch
 from .. import tensor_parallel
 from ..api import store_of
 from ..runtime.model_group import combined_scaler_state
+from ..module_paths import names_by_tensor
 from ..optim import Slot, StreamedState, ZinfOptimizer
 from ..runtime.checkpoint_files import (DTYPE_NAMES, ChecksummedWriter, ZinfCheckpointError, create_new, fsync_dir,
                                         replace_into_place, write_file_atomic, write_json_atomic)
 from ..runtime.store import ParamStore
 from . import pipeline_layout
 from .format import COMMIT_MARKER, FORMAT, hyper, rng_state, tensor_chunks, write_ranges
-from .model_state import (check_optimizer, model_mesh, named_buffers, named_params, names_by_tensor, sharded,
-                          tp_mesh_of, tp_meta)
+from .model_state import check_optimizer, model_mesh, named_buffers, named_params, sharded, tp_mesh_of, tp_meta
 
 log = logging.getLogger("zinf")
 
