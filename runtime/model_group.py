@@ -15,13 +15,15 @@ adds their ledgers up.
 A group owns: the records of its parameters (each with its frozen
 :class:`~.param_plan.ParamPlan`), its :class:`~.ledger.Ledger` (bytes per tier,
 device budget), its mesh (the ranks it shards over, fixed at its first
-adoption), the pipeline it is a stage of (if any), its collective timeout and its fp16 loss scale
-(:class:`Fp16GradScaler`), so that one model's overflow never skips another's
-step and one model's options never change another's.
+adoption), the pipeline it is a stage of (if any), its collective timeout, its fp16 loss scale
+(:class:`Fp16GradScaler`) and the values and gradients a pipeline step holds for it, so that
+one model's overflow never skips another's step and one model's options never change another's.
+The store keeps no map keyed by group (tests/unit/test_model_group_owns.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Iterable
 
@@ -33,6 +35,18 @@ if TYPE_CHECKING:
     from .comm import Comm, MeshComm  # (records.py imports this module: its ParamRecord is named, not imported)
 
 _group_numbers = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class GradHold:
+    """A model's gradients summed over a pipeline step's backwards (ParamStore.hold_grads)."""
+
+    sums: dict = dataclasses.field(default_factory=dict)  # unit key -> its pieces' summed flat gradients
+    last: bool = False  # the next backward reduces the sums
+
+    def nbytes(self) -> int:
+        """The device bytes the held sums take (counted as transient device bytes while held)."""
+        return sum(flat.numel() * flat.element_size() for flats in self.sums.values() for flat in flats)
 
 
 class Fp16GradScaler:
@@ -120,6 +134,11 @@ class ModelGroup:
         self.pipeline: "Comm | None" = None
         # And which stage it is: (index, number of stages); checkpoints of the pipeline put each in its folder.
         self.stage: tuple[int, int] | None = None
+        # While a pipeline step holds the model's gathered parameters (ParamStore.hold_gathers): (parameter uid,
+        # tile) -> a copy of its gathered value; None when no hold is open.
+        self.held_gathers: dict | None = None
+        # While it holds the model's gradients over the step's micro-batches (ParamStore.hold_grads).
+        self.grad_hold: GradHold | None = None
 
     @property
     def device_memory_limit(self) -> int | None:

@@ -112,9 +112,8 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         self._grads_to_host: collections.deque = collections.deque()  # gradient copies off the device (CopyWork)
         self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
         self._transfers = TransferTable()  # every fetch and reduce in flight, each in its state
-        # Model group -> {(parameter uid, tile): a copy of its gathered value} while held (hold_gathers).
-        self._held_gathers: dict = {}
-        self._held_grads: dict = {}  # model group -> GradHold while its gradients are held (hold_grads)
+        # Groups with a hold open (hold_gathers / hold_grads); each group keeps what it holds.
+        self._holding_groups: "weakref.WeakSet" = weakref.WeakSet()
         # Work that moves on at the transfer points of a graph (the optimizer's early steps).
         self._background: "weakref.WeakSet" = weakref.WeakSet()
 

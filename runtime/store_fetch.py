@@ -209,7 +209,7 @@ class FetchSteps:
         finally:
             if copy_out:
                 self._add_transient("device", -copy_out, ledger=group.ledger)
-        holding = self._held_gathers.get(group)
+        holding = group.held_gathers
         if holding is not None:  # a copy is kept (and counted) until the hold ends, for the next uses
             for piece, value in zip(unit.pieces, values):
                 if (piece.layout.uid, piece.tile) not in holding:
@@ -244,17 +244,20 @@ class FetchSteps:
         """Keep each parameter of the model ``groups`` gathered once from now to :meth:`end_held_gathers`."""
         for group in groups:
             self.end_held_gathers([group])
-            self._held_gathers[group] = {}
+            group.held_gathers = {}
+            self._holding_groups.add(group)
 
     def end_held_gathers(self, groups) -> None:
         """Drop the values held for ``groups``."""
         for group in groups:
-            held_bytes = sum(map(nbytes_of, self._held_gathers.pop(group, {}).values()))
-            self._add_transient("device", -held_bytes, ledger=group.ledger)
+            held, group.held_gathers = group.held_gathers or {}, None
+            self._add_transient("device", -sum(map(nbytes_of, held.values())), ledger=group.ledger)
+            if group.grad_hold is None:
+                self._holding_groups.discard(group)
 
     def _held_values(self, unit: Unit) -> list[torch.Tensor] | None:
         """The values of the unit's pieces held by an open hold, or None (no hold, or not all held yet)."""
-        holding = self._held_gathers.get(self._group_of(unit)) if self._held_gathers else None
+        holding = self._group_of(unit).held_gathers if self._holding_groups else None
         if not holding:
             return None
         values = [holding.get((piece.layout.uid, piece.tile)) for piece in unit.pieces]
@@ -283,8 +286,9 @@ class FetchSteps:
         self.process.transient["device"] = 0
         for record in self._records.values():
             record.ledger.transient["device"] = 0
-        for group, holding in self._held_gathers.items():  # held values stay gathered between calls
-            self._add_transient("device", sum(map(nbytes_of, holding.values())), ledger=group.ledger)
-        for group, hold in self._held_grads.items():  # and held gradients summed
-            self._add_transient("device", hold.nbytes(), ledger=group.ledger)
+        for group in list(self._holding_groups):
+            if group.held_gathers is not None:  # held values stay gathered between calls
+                self._add_transient("device", sum(map(nbytes_of, group.held_gathers.values())), ledger=group.ledger)
+            if group.grad_hold is not None:  # and held gradients summed
+                self._add_transient("device", group.grad_hold.nbytes(), ledger=group.ledger)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
 import torch
@@ -13,22 +12,11 @@ from .collectives import finish_reduce, padded_rows, start_reduce
 from .comm import DONE
 from .grad_hooks import run_grad_hooks
 from .ledger import ZinfStoreError
+from .model_group import GradHold
 from .transfers import TransferState as State
 from .records import (GRAD_WRITES_IN_FLIGHT, POOL_WAIT_SECONDS, ParamRecord, grad_listener_of, nbytes_of,
                       tier_memory)
 from .units import Unit
-
-
-@dataclasses.dataclass(eq=False)
-class GradHold:
-    """A model's gradients summed over a pipeline step's backwards (see hold_grads)."""
-
-    sums: dict = dataclasses.field(default_factory=dict)  # unit key -> its pieces' summed flat gradients
-    last: bool = False  # the next backward reduces the sums
-
-    def nbytes(self) -> int:
-        """The device bytes the held sums take (counted as transient device bytes while held)."""
-        return sum(nbytes_of(flat) for flats in self.sums.values() for flat in flats)
 
 
 class GradientSteps:
@@ -63,7 +51,7 @@ class GradientSteps:
                 if unit.compute_dtype == torch.float16:
                     flat = flat * group.fp16_scaler.scale  # keep small gradients representable in fp16
                 flats.append(flat)
-            hold = self._held_grads.get(group)
+            hold = group.grad_hold
             if hold is not None and (flats := self._add_held_sum(unit, flats, hold)) is None:
                 transfer = self._transfers.move(unit, "reduce_grad_start", State.NEW, State.REDUCING)
                 transfer.work = DONE  # summed into the hold: nothing to reduce or add
@@ -296,18 +284,21 @@ class GradientSteps:
         """Sum the gradients of the model ``groups`` over backwards from now, unreduced (drops a stale hold)."""
         self.end_held_grads(groups, reduced=False)
         for group in groups:
-            self._held_grads[group] = GradHold()
+            group.grad_hold = GradHold()
+            self._holding_groups.add(group)
 
     def reduce_held_grads_next(self, groups) -> None:
         """The next backward of ``groups`` reduces each unit's gradients plus its held sum."""
         for group in groups:
-            self._held_grads[group].last = True
+            group.grad_hold.last = True
 
     def end_held_grads(self, groups, reduced: bool = True) -> None:
         """End the hold: after the backward that reduced the sums (``reduced``: one left unreduced raises),
         or dropping them (a step that raised half way)."""
         for group in groups:
-            hold = self._held_grads.pop(group, None)
+            hold, group.grad_hold = group.grad_hold, None
+            if group.held_gathers is None:
+                self._holding_groups.discard(group)
             if hold is None:
                 continue
             self._add_transient("device", -hold.nbytes(), ledger=group.ledger)
@@ -315,7 +306,7 @@ class GradientSteps:
                 raise ZinfStoreError(f"{len(hold.sums)} units' gradients were held over the micro-batches and "
                                      f"not reduced by the last backward (its graph reduced other units)")
 
-    def _add_held_sum(self, unit: Unit, flats: list[torch.Tensor], hold: "GradHold") -> list[torch.Tensor] | None:
+    def _add_held_sum(self, unit: Unit, flats: list[torch.Tensor], hold: GradHold) -> list[torch.Tensor] | None:
         """``flats`` plus the unit's held sum, to reduce now (the hold's last backward), or None: summed."""
         group = self._group_of(unit)
         held = hold.sums.pop(unit.key, None)
