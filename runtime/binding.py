@@ -39,17 +39,24 @@ class Binding:
     ops it binds.  A stage-0 call binds no records, only the parts.
     """
 
-    __slots__ = ("records", "graph_id", "store", "activations")
+    __slots__ = ("records", "graph_id", "store", "activations", "_units")
 
     def __init__(self, records: dict[int, Any], graph_id: int, store: Any, activations: Any = None):
         self.records = records
         self.graph_id = graph_id
         self.store = store
         self.activations = activations  # runtime/activations.py's ActivationStore (None: the graph offloads none)
+        # (slots, tile) -> the store's unit: each unit's several ops in a call (fetch steps, gather, release,
+        # its reduction in backward) look it up once (the records bound to the slots are fixed for the call).
+        self._units: dict[tuple, Any] = {}
 
     def unit(self, slots: list[int], tile: int | None = None):
         """The store's unit of the parameters bound to ``slots`` (a bucket, or one; ``tile``: that row tile)."""
-        return self.store.unit([self.record(slot) for slot in slots], tile)
+        key = (tuple(slots), tile)
+        unit = self._units.get(key)
+        if unit is None:
+            unit = self._units[key] = self.store.unit([self.record(slot) for slot in slots], tile)
+        return unit
 
     def model_ledger(self):
         """The ledger of the model this call runs (its first bound parameter's group), where its saved

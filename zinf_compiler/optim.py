@@ -41,7 +41,7 @@ from zinf_compiler.api import RUNTIME
 
 from . import torch_patches
 from zinf_compiler.runtime.model_group import agree_on_skip
-from .optim_state import (NVME_MOMENTS, Slot, StreamedState, account_state, count_state_bytes, read_moment,
+from .optim_state import (NVME_MOMENTS, CountedState, Slot, StreamedState, count_state_bytes, read_moment,
                           unaccount_state, write_moment)
 from .optim_step import (average_uncaptured_grads, clip_grad_norm, host_memory_bounded, invalidate_unwritten,
                          make_early_host, make_inner, params_not_written, publish_unwritten,
@@ -83,8 +83,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         # again if it binds anew before its first step (parameters adopted after the load).
         self._saved_state = None
         self._saved_state_applied = False
-        # Moment bytes counted per model group: id(group) -> [group, {tier: bytes}] (see _account_state).
-        self._state_bytes: dict[int, list] = {}
+        self._counted = CountedState()  # moment bytes counted per model group (see _account_state)
         # clip_grad_norm_ scaled this step's gradients: no step taken during backward counts.
         self._clipped = False
         # One optimizer, one model: its parameters not yet in a model group join the group the others share
@@ -92,7 +91,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._store.claim(p for group in self.param_groups for p in group["params"])
         RUNTIME.optimizers.add(self)
         # Dropped with its model: the moments it held stop counting (the dict, not self, is kept).
-        weakref.finalize(self, unaccount_state, self._store, self._state_bytes)
+        weakref.finalize(self, unaccount_state, self._store, self._counted.by_group)
 
     # --- binding to the store ----------------------------------------------------
 
@@ -367,7 +366,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._inner.load_state_dict(state_dict)
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
             outer.update({k: v for k, v in inner.items() if k != "params"})
-        self._account_state()
+        self._account_state(force=True)
 
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
@@ -436,7 +435,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 self._nvme.steps[slot.record.uid] = nvme_steps[slot.record.uid]
             else:
                 self._nvme.steps.pop(slot.record.uid, None)
-        self._account_state()
+        self._account_state(force=True)
 
     # --- accounting --------------------------------------------------------------
 
@@ -447,9 +446,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
         return count_state_bytes(self._inner, self._memory_slots(), self._nvme,
                                  [slot for slot, _ in self._nvme_slots], params)
 
-    def _account_state(self) -> None:
-        """Count the moments' bytes in the ledger of each parameter's model group (the change since last)."""
-        account_state(self._store, self._params(), self.state_bytes, self._state_bytes)
+    def _account_state(self, force: bool = False) -> None:
+        """Count the moments' bytes in each parameter's model group's ledger (see ``CountedState``)."""
+        self._counted.update(self._store, self._params(), self.state_bytes, (self._inner, self._nvme), force)
 
 
 class AdamW(ZinfOptimizer):

@@ -89,6 +89,33 @@ def unaccount_state(store: ParamStore, state_bytes: dict[int, list]) -> None:
             per_tier[tier] = 0
 
 
+class CountedState:
+    """What an optimizer counted of its moments in its models' ledgers: per model group (``by_group``: id(group)
+    -> [group, {tier: bytes}]), and the state's signature (:func:`state_signature`) at that count.
+
+    A count reads every state tensor; after a step that made no new state (every step after the first: a
+    moment's size never changes) it would find the same, so :meth:`update` skips it while the signature
+    stays; a load, which may replace the state, counts again (``force``)."""
+
+    def __init__(self):
+        self.by_group: dict[int, list] = {}
+        self.signature: tuple | None = None
+
+    def update(self, store: ParamStore, params, state_bytes, optimizers: tuple, force: bool = False) -> None:
+        """Count the change since the last count (see :func:`account_state`), unless nothing can have changed;
+        ``optimizers``: (the inner optimizer, the NVMe one), each possibly None."""
+        signature = state_signature(*optimizers)
+        if force or signature != self.signature:
+            self.signature = signature
+            account_state(store, params, state_bytes, self.by_group)
+
+
+def state_signature(inner: torch.optim.Optimizer | None, nvme) -> tuple:
+    """What decides the state's bytes: the inner optimizer's state entries and the NVMe slots stepped."""
+    return (len(inner.state) if inner is not None else 0,
+            sum(1 for steps in nvme.steps.values() if steps) if nvme is not None else 0)
+
+
 def account_state(store: ParamStore, params, state_bytes, counted_by_group: dict) -> None:
     """Count the optimizer state's bytes of ``params`` in the ledger of each one's model group: the change since
     the last count (``counted_by_group``: id(group) -> [group, {tier: bytes counted}]); ``state_bytes(ids)`` is
