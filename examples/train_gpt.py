@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{tier:>6} tier on this rank: params {held['params']:,} B, grads {held['grads']:,} B, "
             f"optimizer {held['optimizer']:,} B")
     say(f"runtime peak of this model: device {report['peak']['device']:,} B, cpu {report['peak']['cpu']:,} B; "
-        f"pinned staging pool (shared by the process) {report['buffers']['cpu']:,} B")
+        f"pinned staging pools (the process's) {report['buffers']['cpu']:,} B")
     # Every rank decodes: at stages 2-3 each forward gathers parameters collectively.
     text = sample(compiled, b"The model ", args.sample_tokens, args.block_size, device)
     say(f"sample: {text.decode(errors='replace')!r}")

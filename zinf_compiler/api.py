@@ -96,9 +96,9 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     Parameters count this rank's shards on their tier plus any full parameter
     storage still held (stages 0-2); gradients count gradient shards (on the
     optimizer's tier) plus ``param.grad``; optimizer counts separate fp32
-    master shards and the optimizer's moments.  ``buffers`` is the pinned
-    staging pools (parameters' and activations'), allocated once and shared
-    by every model in the process (not in ``peak``).  ``activations`` counts
+    master shards and the optimizer's moments.  ``buffers`` is the process's
+    pinned staging pools: the parameters' and the activations', allocated once
+    and shared by every model, and each NVMe optimizer's own (not in ``peak``).  ``activations`` counts
     the values saved for backward and not yet consumed: on the device (what
     the forward's autograd nodes hold), and copies offloaded to ``cpu`` or
     ``nvme`` (option ``offload_activations``); at stage 0 they are counted
@@ -141,9 +141,11 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     for tier in report:
         report[tier]["activations"] = sum(ledger.activations[tier] for ledger in ledgers)
     report["peak"] = {tier: sum(ledger.peak[tier] for ledger in ledgers) for tier in ("device", "cpu")}
-    report["buffers"] = {"cpu": (RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0)
-                         + RUNTIME.activations.pool_bytes}
     report["pinned"] = RUNTIME.pinned_memory.figures()
+    optimizers_own = sum(report["pinned"].get(consumer, {"quota": 0})["quota"]
+                         for consumer in ("early_optimizer", "optimizer"))
+    report["buffers"] = {"cpu": (RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0)
+                         + RUNTIME.activations.pool_bytes + optimizers_own}
     return report
 
 

@@ -92,9 +92,8 @@ def test_fp32_parameters_on_nvme_have_one_copy_on_disk(tmp_path, monkeypatch, co
     after = zinf.memory_report(compiled)
     # (Optimizers of earlier tests still alive in this process keep their own early quotas.)
     assert after["pinned"].get("early_optimizer", {"quota": 0})["quota"] == early_before - mine, after["pinned"]
-    shared = sum(figures["quota"] for consumer, figures in after["pinned"].items()
-                 if consumer not in ("early_optimizer", "optimizer"))  # (each optimizer's own)
-    assert shared == after["buffers"]["cpu"], (after["pinned"], after["buffers"])
+    every_pool = sum(figures["quota"] for figures in after["pinned"].values())  # (the optimizers' own included)
+    assert every_pool == after["buffers"]["cpu"], (after["pinned"], after["buffers"])
 
 
 def test_bf16_shards_and_frozen_parameters_keep_their_own_files(tmp_path):
