@@ -249,17 +249,19 @@ class PhasePeaks:
         import threading
 
         self.phase, self.peaks = "start", {}
-        self._page = os.sysconf("SC_PAGE_SIZE")
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while True:
-            with open("/proc/self/statm") as statm:
-                rss = int(statm.read().split()[1]) * self._page
+            rss = rss_now()
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
             time.sleep(0.005)
 
 
+def rss_now() -> int:
+    """This process's resident bytes now (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _zinf_options(system: str, rank: int, args, mesh) -> dict:
@@ -416,8 +418,7 @@ def worker(args) -> None:
     result["systems"] = records
     result["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["phase_peaks"] = dict(phases.peaks)
-    with open("/proc/self/statm") as statm:  # what the rank holds while it trains (the peak may be building)
-        result["rss_now"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    result["rss_now"] = rss_now()  # what the rank holds while it trains (the peak may be building)
     with open(f"{os.environ['PEERS_OUT']}.rank{rank}", "w") as handle:
         json.dump(result, handle)
     dist.destroy_process_group()

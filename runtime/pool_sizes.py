@@ -23,6 +23,13 @@ def _largest_group(plans) -> int:
                + [0])
 
 
+def _largest_shard(plans) -> int:
+    """Bytes (aligned) of the largest shard in compute dtype among ``plans`` that an optimizer step stages for
+    an nvme parameter tier's own files (none for one read from its master's)."""
+    return max([align(plan.local_numel * plan.compute_dtype.itemsize)
+                for plan in plans if plan.param_tier == "nvme" and not plan.params_in_master] + [0])
+
+
 def grad_write_reserve_bytes(plans) -> int:
     """What gradient writes to NVMe may hold of the store's pool during backward: GRAD_WRITES_IN_FLIGHT
     sub-groups, and one more being filled (store_grads.py)."""
@@ -46,10 +53,7 @@ def optimizer_pool_bytes(plans: Iterable[ParamPlan]) -> int:
     sub-groups in flight (one being written, one stepped, the next read), four buffers each (master, two
     moments, gradient), and one parameter shard in compute dtype being staged for its swap file."""
     plans = list(plans)
-    group = align(_largest_group(plans))
-    shard = max([align(plan.local_numel * plan.compute_dtype.itemsize)
-                 for plan in plans if plan.param_tier == "nvme" and not plan.params_in_master] + [0])
-    return 3 * (len(STATE_NAMES) + 1) * group + shard
+    return 3 * (len(STATE_NAMES) + 1) * align(_largest_group(plans)) + _largest_shard(plans)
 
 
 def early_step_pool_bytes(plans: Iterable[ParamPlan], all_plans: Iterable[ParamPlan] = ()) -> int:
@@ -57,11 +61,9 @@ def early_step_pool_bytes(plans: Iterable[ParamPlan], all_plans: Iterable[ParamP
     writing, three state buffers each, and the shards of two parameters in compute dtype (one being written
     while the next is staged).  The step after backward borrows it, idle by then, for the optimizer's
     ``all_plans`` (those stepped late), so it is never smaller than :func:`optimizer_pool_bytes` of them."""
-    plans = list(plans)
-    group = align(_largest_group(plans))
-    shard = max([align(plan.local_numel * plan.compute_dtype.itemsize)
-                 for plan in plans if not plan.params_in_master] + [0])
-    return max((READ_AHEAD + 1) * len(STATE_NAMES) * group + 2 * shard, optimizer_pool_bytes(all_plans))
+    plans = list(plans)  # (early ones: their parameter tier is nvme)
+    early = (READ_AHEAD + 1) * len(STATE_NAMES) * align(_largest_group(plans)) + 2 * _largest_shard(plans)
+    return max(early, optimizer_pool_bytes(all_plans))
 
 
 def auto_grad_ram_bytes(available: int | None, ranks_on_node: int) -> int:

@@ -142,10 +142,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
         report[tier]["activations"] = sum(ledger.activations[tier] for ledger in ledgers)
     report["peak"] = {tier: sum(ledger.peak[tier] for ledger in ledgers) for tier in ("device", "cpu")}
     report["pinned"] = RUNTIME.pinned_memory.figures()
-    optimizers_own = sum(report["pinned"].get(consumer, {"quota": 0})["quota"]
-                         for consumer in ("early_optimizer", "optimizer"))
-    report["buffers"] = {"cpu": (RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0)
-                         + RUNTIME.activations.pool_bytes + optimizers_own}
+    # Every pool is a quota of the process's pinned memory (the store's, the activations', each optimizer's).
+    report["buffers"] = {"cpu": sum(figures["quota"] for figures in report["pinned"].values())}
     return report
 
 
