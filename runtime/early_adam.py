@@ -62,7 +62,7 @@ from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_w
                         take_buffers, wait_all)
 from .pool_sizes import READ_AHEAD, early_step_pool_bytes
 from .pinned import PinnedPool
-from .records import POOL_WAIT_SECONDS
+from .records import POOL_WAIT_SECONDS, listen_to_gradients
 
 # Sub-groups read ahead per parameter: one computing while the next is read.
 
@@ -127,7 +127,7 @@ class EarlyAdam(EarlyStep):
         self._counted: dict[int, list] = {}
         weakref.finalize(self, _uncount, nvme_adam.store, self._counted)
         for record in self.records:
-            record.grad_listener = weakref.ref(self)  # the store tells of gradients (it must not keep us alive)
+            listen_to_gradients(record, self)  # the store tells of gradients
         nvme_adam.store.add_background_work(self)
 
     # --- the store's side (arrival, gradient_changed, gradients_dropped: arrivals.EarlyStep's) ---------
@@ -389,7 +389,7 @@ class EarlyAdam(EarlyStep):
             self._release_grad(job)  # a job that stopped half way may still hold it
             record = job.record
             current = self.groups_by_uid.get(uid)
-            counts = (not clipped and job.complete and record.grad_multiplier == 1.0 and current is not None
+            counts = (not clipped and job.complete and record.gradient.multiplier == 1.0 and current is not None
                       and hyperparameters(current) == job.hyper
                       and self.nvme_adam.steps.get(uid, 0) + 1 == job.step_count
                       and record.swap.holds(job.keys))

@@ -33,6 +33,7 @@ import torch
 
 from .arrivals import Arrivals, EarlyStep
 from .early_adam import hyperparameters
+from .records import listen_to_gradients
 
 # What a slot's state is to the early step: (fp32 master, exp_avg, exp_avg_sq, step count tensor), all on the host.
 HostState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -69,7 +70,7 @@ class EarlyHostAdam(EarlyStep):
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-early-host")
         weakref.finalize(self, _close, self._worker, store, self._counted)
         for record, _ in records_and_groups:
-            record.grad_listener = weakref.ref(self)  # the store tells of gradients (it must not keep us alive)
+            listen_to_gradients(record, self)  # the store tells of gradients
 
     # --- the store's side (arrival, gradient_changed, gradients_dropped: arrivals.EarlyStep's) ---------
 

@@ -173,7 +173,7 @@ class NvmeAdam:
         plan = []
         for slot, hyper in zip(slots, hyper_by_slot):
             record = slot.record
-            if not record.owns_state or not record.has_grad:
+            if not record.owns_state or not record.gradient:
                 continue
             plan.extend((group, hyper) for group in sub_group_plan(record))
         self._shards_updated = []
@@ -196,11 +196,11 @@ class NvmeAdam:
                 for request in group.requests:
                     request.wait()
                 if record.grad_in_ram:
-                    grad = record.grad_shard[group.start : group.stop]
+                    grad = record.gradient.shard[group.start : group.stop]
                 else:
                     grad = group.buffers["grad"].tensor(torch.float32, group.numel)
-                if record.grad_multiplier != 1.0:
-                    grad.mul_(record.grad_multiplier)  # clip_grad_norm_ on a gradient resting on disk
+                if record.gradient.multiplier != 1.0:
+                    grad.mul_(record.gradient.multiplier)  # clip_grad_norm_ on a gradient resting on disk
                 step_count = self.steps.get(record.uid, 0) + 1
                 beta1, beta2 = hyper["betas"]
                 master = step_group(self.decoupled, group, grad, step_count, lr=float(hyper["lr"]), beta1=beta1,

@@ -11,6 +11,7 @@ from .aio import AioEngine, AioError
 from .swap_layout import align
 from .comm import MeshComm
 from .ledger import Ledger, ZinfStoreError
+from .grad_state import Gradient
 from .model_group import ModelGroup
 from .param_plan import ParamPlan
 from .units import ParamLayout
@@ -49,25 +50,12 @@ class ParamRecord(ParamLayout):
     # fp32 master of this rank's slice for device/cpu optimizer tiers (the
     # shard itself when they coincide); None for the nvme tier (swap files).
     master: torch.Tensor | None = None
-    # fp32 on the optimizer's device/cpu tier, accumulated: read and set through ``grad_shard``.
-    _grad_shard: torch.Tensor | None = None
-    # A gradient shard still being copied off the device into pinned memory (a CopyWork on the copy
-    # engine's stream: backward goes on meanwhile); the first read of ``grad_shard`` waits for it.
-    grad_arriving: object = None
-    # nvme optimizer tier: the accumulated fp32 gradient slice is in the swap
-    # files ``grad.<uid>.<i>`` (one per optimizer sub-group) instead of memory;
-    # its squared norm is kept for clipping, which scales it lazily by
-    # ``grad_multiplier`` when the step reads it.
-    grad_on_disk: bool = False
+    # This rank's accumulated gradient, in one explicit state; only its own moves change it (grad_state.py).
+    gradient: Gradient = dataclasses.field(init=False)
     # nvme optimizer tier within the option nvme_grad_ram_bytes: the gradient
-    # stays in ``grad_shard`` (CPU memory) and the step reads it from there.
+    # stays in memory (``gradient.shard``, host memory) and the step reads it from there.
     grad_in_ram: bool = False
-    grad_sq_norm: float = 0.0
-    grad_multiplier: float = 1.0
     swap: "AioEngine | None" = None  # the swap engine of its nvme_path, for nvme tiers
-    # nvme optimizer tier, tiled: reduced gradient tiles collected in CPU memory
-    # until every tile of this backward has arrived: (buffer, tiles done).
-    grad_pending: "tuple[torch.Tensor, set] | None" = None
     full_storage_bytes: int = 0  # the parameter's own storage, until stage 3 frees it
     group: ModelGroup  # the model it belongs to, for its whole life (see runtime/model_group.py)
     # Stages 1-2: the parameter's version counter when its shard last matched it (see sync_written_params).
@@ -77,27 +65,8 @@ class ParamRecord(ParamLayout):
     # A weak reference to what takes those early steps (EarlyAdam), once an optimizer is bound.
     grad_listener: "weakref.ref | None" = None
 
-    @property
-    def grad_shard(self) -> torch.Tensor | None:
-        """The accumulated fp32 gradient shard (None: none), its copy off the device waited for."""
-        self._grad_landed()
-        return self._grad_shard
-
-    @grad_shard.setter
-    def grad_shard(self, value: torch.Tensor | None) -> None:
-        """Replace the gradient shard (None: drop it), after any copy still writing the old one."""
-        self._grad_landed()  # (a copy in flight still writes into the shard it replaces)
-        self._grad_shard = value
-
-    def receive_grad(self, shard: torch.Tensor, copy) -> None:
-        """``shard`` becomes the gradient shard once ``copy`` (its copy off the device, in flight) is done."""
-        self.grad_shard = shard
-        self.grad_arriving = copy
-
-    def _grad_landed(self) -> None:
-        arriving, self.grad_arriving = self.grad_arriving, None
-        if arriving is not None:
-            arriving.synchronize()
+    def __post_init__(self):
+        self.gradient = Gradient(self.name)
 
     @property
     def ledger(self) -> Ledger:
@@ -118,10 +87,26 @@ class ParamRecord(ParamLayout):
         param = self.param_ref()
         return param is not None and param.requires_grad
 
-    @property
-    def has_grad(self) -> bool:
-        """Whether a gradient is accumulated (in memory or in the swap files)."""
-        return self._grad_shard is not None or self.grad_on_disk  # (no wait for a copy in flight)
+
+# The one module that assigns each of ParamRecord's fields after it is made (its constructor aside): the module
+# that owns that part of a parameter's life.  tests/unit/test_structure.py fails on an assignment elsewhere.
+FIELD_OWNERS = {
+    "name": None, "plan": None, "param_ref": None, "param_id": None, "group": None, "mesh": None,  # fixed at adoption
+    "gradient": "zinf_compiler.runtime.records",  # made in __post_init__; its own moves in runtime/grad_state.py
+    "shard": "zinf_compiler.runtime.store_values",  # a parameter's values on its tiers
+    "master": "zinf_compiler.runtime.store_values",
+    "grad_in_ram": "zinf_compiler.runtime.store",  # adoption's choices and stage 3's full storage
+    "swap": "zinf_compiler.runtime.store",
+    "full_storage_bytes": "zinf_compiler.runtime.store",
+    "synced_version": "zinf_compiler.runtime.store_publish",  # what a step or a load wrote (stages 1-2)
+    "grad_listener": "zinf_compiler.runtime.records",  # listen_to_gradients, by the early steps
+}
+
+
+def listen_to_gradients(record: ParamRecord, listener) -> None:
+    """``listener`` (an early step: EarlyAdam, EarlyHostAdam) hears of ``record``'s gradients from now on.  Held
+    weakly: the store must not keep an optimizer alive."""
+    record.grad_listener = weakref.ref(listener)
 
 
 def grad_listener_of(record: ParamRecord):

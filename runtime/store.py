@@ -45,7 +45,7 @@ from .store_fetch import FetchSteps
 from .store_grads import GradientSteps
 from .store_offload import OffloadResources
 from .store_publish import PublishSteps
-from .store_values import local_value_chunks, place_master, place_shard, write_local
+from .store_values import forget_values, local_value_chunks, place_master, place_shard, write_local
 from .transfers import TransferTable
 from .units import Unit
 
@@ -98,9 +98,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         self.pinned_memory = pinned_memory if pinned_memory is not None else PinnedMemory(self.count_pinned_pool)
         self.offload = OffloadResources(comm.tracer, folder_watch, self.pinned_memory)
         self._grad_writes: list = []  # in-flight gradient swap writes: (request, pinned buffer, record)
-        # uid -> why its gradient in the swap files is incomplete (a failed write or
-        # read); the step refuses it until drop_grads (opt.zero_grad()) discards it.
-        self._lost_grads: dict[int, BaseException] = {}
         # Bytes held per tier, for the whole process (every model and the pinned
         # pool); each model has its own too (its ModelGroup's, ParamRecord.ledger).
         self.process = Ledger()
@@ -263,7 +260,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
                     mesh.everyone.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
                                         timeout=record.group.collective_timeout).wait()
                 local = local_slice(full.reshape(-1), plan)
-            record.shard = local.new_empty(0, dtype=plan.compute_dtype)
             grad_bytes = record.local_numel * 4
             if opt_tier == "nvme" and grad_ram_bytes == "auto":
                 grad_ram_bytes = self._auto_grad_ram_bytes()
@@ -420,7 +416,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
             self._add_resting(tier_memory(record.param_tier), -nbytes_of(record.shard), ledger=record.ledger)
         if record.master is not None and record.master is not record.shard:
             self._add_resting(tier_memory(record.opt_tier), -nbytes_of(record.master), ledger=record.ledger)
-        record.shard = record.master = None
+        forget_values(record)
         if record.swap is not None:
             for key, _, _ in record.swap_layout():
                 record.swap.forget(key)

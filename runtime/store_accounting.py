@@ -127,8 +127,8 @@ class StoreAccounting:
                 params.append(record.shard)
             if record.stage != 3:
                 params.append(record.param.data)
-            if record.grad_shard is not None:
-                grads.append(record.grad_shard)
+            if record.gradient.shard is not None:
+                grads.append(record.gradient.shard)
             if record.master is not None and record.master is not record.shard:
                 masters.append(record.master)
         return {"params": params, "grads": grads, "masters": masters}

@@ -11,6 +11,7 @@ from .buckets import bucket_runs
 from .collectives import finish_reduce, padded_rows, start_reduce
 from .comm import DONE
 from .grad_hooks import run_grad_hooks
+from .grad_state import GradState
 from .ledger import ZinfStoreError
 from .model_group import GradHold
 from .transfers import TransferState as State
@@ -108,46 +109,43 @@ class GradientSteps:
         start, stop = piece.local_range
         if stop == start:
             return
+        gradient = record.gradient
         if record.opt_tier == "nvme" and not record.grad_in_ram:
             if (start, stop) == (0, record.local_numel):
                 self._swap_grad(record, reduced)
                 return
             # A tile: the swap files take the whole slice, so tiles collect in CPU memory first.
-            if record.grad_pending is None:
-                record.grad_pending = (torch.zeros(record.local_numel, dtype=torch.float32), set())
-                self._add_transient("cpu", nbytes_of(record.grad_pending[0]), ledger=record.ledger)
-            collected, done = record.grad_pending
-            collected[start:stop].copy_(reduced)
-            done.add(piece.tile)
-            if len(done) == len(record.tile_rows):
-                record.grad_pending = None
-                self._add_transient("cpu", -nbytes_of(collected), ledger=record.ledger)
-                self._swap_grad(record, collected)
+            whole, buffer_bytes = gradient.collect_tile(piece.tile, start, stop, reduced, record.local_numel,
+                                                        len(record.tile_rows))
+            if buffer_bytes:
+                self._add_transient("cpu", buffer_bytes, ledger=record.ledger)
+            if whole is not None:
+                self._swap_grad(record, whole)
             return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         whole = (start, stop) == (0, record.local_numel)
-        if record.grad_shard is None:
+        if not gradient:
             if private and whole and reduced.dtype == torch.float32 and reduced.device == grad_device:
-                record.grad_shard = reduced  # already a copy of our own, in fp32 where the optimizer steps
+                gradient.start(reduced)  # already a copy of our own, in fp32 where the optimizer steps
             elif whole and reduced.is_cuda and grad_device.type == "cpu":
                 self._grad_off_the_device(record, reduced, private)
             elif whole:  # the whole shard: one copy, no zeroing first
-                record.grad_shard = reduced.to(device=grad_device, dtype=torch.float32, copy=True)
+                gradient.start(reduced.to(device=grad_device, dtype=torch.float32, copy=True))
             else:
-                record.grad_shard = torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device)
-                record.grad_shard[start:stop].copy_(reduced)
-            self._add_resting(tier_memory(record.opt_tier), nbytes_of(record._grad_shard), ledger=record.ledger)
+                gradient.start(torch.zeros(record.local_numel, dtype=torch.float32, device=grad_device))
+                gradient.add(start, stop, reduced)
+            self._add_resting(tier_memory(record.opt_tier), gradient.shard_bytes, ledger=record.ledger)
         else:
-            record.grad_shard[start:stop].add_(reduced.to(grad_device))
+            gradient.add(start, stop, reduced)
         listener = grad_listener_of(record)
         if listener is not None and listener.arrival(record, piece.tile):
             # (The gradient may still be copying off the device: the listener waits for it where it reads it.)
-            listener.start(record, record._grad_shard, owned=False, ready=record.grad_arriving)
+            listener.start(record, gradient.shard_nowait, owned=False, ready=gradient.arriving)
 
     def _grad_off_the_device(self, record: ParamRecord, reduced: torch.Tensor, private: bool) -> None:
         """A whole gradient shard to host memory without blocking the host (ZeRO-Offload's gradients leaving
         the device as each bucket is reduced): into pinned memory on the copy engine's stream, while backward
-        goes on.  The record's ``grad_shard`` waits for the copy when first read (the optimizer step)."""
+        goes on.  The record's ``gradient.shard`` waits for the copy when first read (the optimizer step)."""
         # Memory the graph handed over may be reused by it once this op returns: copied first, on the device.
         # That copy is held until the copy off the device is done: the ones done by now are let go here.
         while self._grads_to_host and self._grads_to_host[0].done():
@@ -156,7 +154,7 @@ class GradientSteps:
         shard = torch.empty(record.local_numel, dtype=torch.float32, pin_memory=True)
         copy = self.copier.copy(shard, source, "grads", f"gradient of {record.name} to host")
         self._grads_to_host.append(copy)
-        record.receive_grad(shard, copy)
+        record.gradient.start_arriving(shard, copy)
 
     def _bucketed(self, records: list[ParamRecord]) -> list[Unit]:
         """Units of ``records`` for the optimizer's own collectives: buckets of up to ``bucket_bytes`` gathered."""
@@ -190,19 +188,22 @@ class GradientSteps:
         :meth:`drop_grads` (``opt.zero_grad()``) discards it.
         """
         reduced = reduced.to(device="cpu", dtype=torch.float32)
-        accumulating = record.grad_on_disk
+        gradient = record.gradient
         # From here on its gradient files may exist: drop_grads deletes them whatever happens below.
-        record.grad_on_disk = True
+        accumulating = gradient.state is GradState.LOST or gradient.to_disk()
         if accumulating:
             # A read must see the previous backward's writes.
             self._drain_grad_writes(0)
         listener = grad_listener_of(record)
         step_now = listener is not None and listener.arrival(record, None)
-        if record.uid in self._lost_grads:
+        if gradient.state is GradState.LOST:
             return  # already incomplete: nothing to add to, the step refuses it until zero_grad
         # The whole gradient for an early step (runtime/early_adam.py), a copy of its own: ``reduced`` may be
         # memory the compiled graph reuses once this op returns, and an accumulated one is only in the staging.
         total = torch.empty(record.local_numel, dtype=torch.float32) if step_now else None
+        # What the files hold still waits for its multiplier (clipping or scaling since it was written): applied
+        # as it is read back here, since the sum is written with none pending.
+        held_multiplier = gradient.multiplier
         sq_norm = 0.0
         for key, start, stop in record.plan.state_swap("grad"):
             numel = stop - start
@@ -212,6 +213,8 @@ class GradientSteps:
                 group = staging.tensor(torch.float32, numel)
                 if accumulating:
                     record.swap.read(key, staging, numel * 4).wait()
+                    if held_multiplier != 1.0:
+                        group.mul_(held_multiplier)
                     group.add_(reduced[start:stop])
                 else:
                     group.copy_(reduced[start:stop])
@@ -221,15 +224,14 @@ class GradientSteps:
                 request = record.swap.write(key, staging, numel * 4)
             except AioError as err:
                 staging.release()
-                self._lost_grads.setdefault(record.uid, err)
+                gradient.lose(err)
                 return
             except BaseException as err:
                 staging.release()
-                self._lost_grads.setdefault(record.uid, err)  # stopped half way: its files hold a mix
+                gradient.lose(err)  # stopped half way: its files hold a mix
                 raise
             self._grad_writes.append((request, staging, record))
-        record.grad_sq_norm = sq_norm
-        record.grad_multiplier = 1.0
+        gradient.written(sq_norm)
         if total is not None:
             listener.start(record, total, owned=True)
 
@@ -244,7 +246,7 @@ class GradientSteps:
             try:
                 request.wait()
             except AioError as err:
-                self._lost_grads.setdefault(record.uid, err)
+                record.gradient.lose(err)
             finally:
                 staging.release()
 
@@ -257,13 +259,13 @@ class GradientSteps:
         ``opt.zero_grad()`` the next backward writes the gradients afresh.
         """
         self._drain_grad_writes(0)
-        uids = None if records is None else {record.uid for record in records}
-        lost = [(uid, err) for uid, err in self._lost_grads.items() if uids is None or uid in uids]
+        records = self._records.values() if records is None else records
+        lost = [record for record in records if record.gradient.state is GradState.LOST]
         if not lost:
             return
-        names = [self._records[uid].name if uid in self._records else f"#{uid}" for uid, _ in lost]
+        names = [record.name for record in lost]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        first = lost[0][1]
+        first = lost[0].gradient.lost
         raise AioError(
             f"optimizer step refused: the gradient of {len(lost)} parameter(s) ({shown}) could not be written to "
             f"its NVMe swap files during backward, and a step on a partial gradient would mix steps; no parameter "
@@ -331,11 +333,7 @@ class GradientSteps:
             listener = grad_listener_of(record)
             if listener is not None:
                 listener.gradient_changed(record)
-            if record.grad_shard is not None:
-                record.grad_shard.mul_(factor)
-            if record.grad_on_disk:
-                record.grad_multiplier *= factor
-                record.grad_sq_norm *= factor * factor
+            record.gradient.scale(factor)
 
     def drop_grads(self, records: Iterable[ParamRecord]) -> None:
         """Discard the gradients of ``records`` (``opt.zero_grad()``), incomplete ones included."""
@@ -343,17 +341,14 @@ class GradientSteps:
             listener = grad_listener_of(record)
             if listener is not None:
                 listener.gradients_dropped(record)
-            if record.grad_shard is not None:
-                self._add_resting(tier_memory(record.opt_tier), -nbytes_of(record.grad_shard), ledger=record.ledger)
-                record.grad_shard = None
-            if record.grad_on_disk:
-                # Settles the writes in flight; a failure among them no longer matters to this record.
-                self._drain_grad_writes(0)
+            if record.gradient.on_disk:
+                self._drain_grad_writes(0)  # settles the writes in flight; a failure no longer matters here
+            shard_bytes, had_files, tile_bytes = record.gradient.drop()
+            if shard_bytes:
+                self._add_resting(tier_memory(record.opt_tier), -shard_bytes, ledger=record.ledger)
+            if tile_bytes:
+                self._add_transient("cpu", -tile_bytes, ledger=record.ledger)
+            if had_files:
                 # Delete the files: the disk then holds what memory_report says.
                 for key, _, _ in record.plan.state_swap("grad"):
                     record.swap.forget(key)
-                record.grad_on_disk = False
-                record.grad_sq_norm = 0.0
-                record.grad_multiplier = 1.0
-            self._lost_grads.pop(record.uid, None)
-

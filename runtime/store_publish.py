@@ -119,6 +119,11 @@ class PublishSteps:
                 self.assign_full(record, param.detach())
                 record.synced_version = param._version
 
+    def mark_synced(self, record: ParamRecord) -> None:
+        """Stages 1-2: the parameter's current value is what its shard holds (a load wrote both), so that
+        :meth:`sync_written_params` finds nothing to write back."""
+        record.synced_version = record.param._version
+
     def full_param(self, record: ParamRecord) -> torch.Tensor:
         """A full copy of the parameter's current value (collective: every rank must call)."""
         if record.stage != 3:

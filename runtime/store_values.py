@@ -29,6 +29,7 @@ def place_shard(record: ParamRecord, local_fp32: torch.Tensor, swap_io, count_re
         record.shard = record.param.detach().view(-1)  # its bytes are the parameter's own
         return
     if record.param_tier == "nvme":
+        record.shard = local_fp32.new_empty(0, dtype=record.compute_dtype)  # nothing in memory: the swap files
         if record.owns_state and not record.params_in_master:  # else place_master writes it
             for key, start, numel in record.swap_layout():
                 swap_io.write_swap(record.swap, key, local_fp32[start : start + numel].to(record.compute_dtype))
@@ -56,6 +57,11 @@ def place_master(record: ParamRecord, local_fp32: torch.Tensor, swap_io, count_r
     device = record.device if record.opt_tier == "device" else torch.device("cpu")
     record.master = local_fp32.to(device=device, copy=True)
     count_resting(tier_memory(record.opt_tier), nbytes_of(record.master), ledger=record.ledger)
+
+
+def forget_values(record: ParamRecord) -> None:
+    """The parameter was collected: its record lets go of its shard and master (already uncounted)."""
+    record.shard = record.master = None
 
 
 def write_local(record: ParamRecord, local: torch.Tensor, swap_io) -> None:

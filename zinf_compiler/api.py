@@ -124,9 +124,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, dict[str, int]]:
             report[record.param_tier]["params"] += record.shard_bytes
         if record.master is not None and record.master is not record.shard:
             report[_memory_tier(record.opt_tier)]["optimizer"] += record.master.numel() * record.master.element_size()
-        if record.grad_shard is not None:
-            report[_memory_tier(record.opt_tier)]["grads"] += record.grad_shard.numel() * record.grad_shard.element_size()
-        if record.grad_on_disk:
+        report[_memory_tier(record.opt_tier)]["grads"] += record.gradient.shard_bytes
+        if record.gradient.on_disk:
             report["nvme"]["grads"] += record.local_numel * 4
         if (record.stage > 0 and record.opt_tier == "nvme" and record.owns_state and record.trainable
                 and not record.params_in_master):  # (then the master's files are the params counted above)

@@ -37,7 +37,7 @@ class Slot:
         """The gradient the step reads: ``param.grad`` unsharded, else this rank's gradient shard (None: not its own)."""
         if self.record is None or self.record.stage == 0:
             return self.param.grad
-        return self.record.grad_shard if self.record.owns_state else None
+        return self.record.gradient.shard if self.record.owns_state else None
 
 
 @dataclasses.dataclass

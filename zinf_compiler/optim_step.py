@@ -105,11 +105,11 @@ def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: floa
     grads_on_disk = []
     for slot in slots:
         counts_here = tp_first or holds_own_slice(slot.param)  # (each tp-replicated element once)
-        if slot.record is not None and slot.record.grad_on_disk:
+        if slot.record is not None and slot.record.gradient.on_disk:
             # An nvme-tier gradient: its norm was taken as it was written.
             grads_on_disk.append(slot.record)
             if counts_here:
-                sharded_sq += slot.record.grad_sq_norm
+                sharded_sq += slot.record.gradient.sq_norm
             continue
         grad = slot.grad
         if grad is None:
@@ -138,7 +138,7 @@ def clip_grad_norm(slots: list[Slot], mesh, device: torch.device, max_norm: floa
     for grad in grads:
         grad.mul_(clip_coef)
     for record in grads_on_disk:
-        record.grad_multiplier *= clip_coef  # applied when the step reads the gradient
+        record.gradient.scale(clip_coef)  # applied when the step reads the gradient (its norm scaled now)
     return total_norm, True
 
 

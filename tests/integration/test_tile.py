@@ -69,8 +69,8 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     grads = {}
     for name, param in model.named_parameters():
         record = RUNTIME.store.lookup(param)
-        assert record.grad_shard is not None, name
-        grads[name] = record.grad_shard[: param.numel()].view(param.shape).to(param.dtype)
+        assert record.gradient.shard is not None, name
+        grads[name] = record.gradient.shard[: param.numel()].view(param.shape).to(param.dtype)
     return grads
 
 

@@ -162,6 +162,35 @@ def test_torch_clip_grad_norm_on_sharded_gradients_clips_them(stage):
     assert torch.nn.utils.clip_grad_norm_(pair.eager.parameters(), 1.0) == pytest.approx(1e-5, rel=1e-3)
 
 
+NVME = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}
+
+
+@pytest.mark.parametrize("options", [STAGE3, {**NVME, "nvme_grad_ram_bytes": 0}, NVME],
+                         ids=["device", "nvme-grads-on-disk", "nvme-grads-in-ram"])
+def test_clipping_between_backwards_and_twice_equals_eager(options, tmp_path):
+    # A gradient on disk is clipped lazily (a multiplier the step applies). Before: a second backward added to
+    # the files' unclipped values and dropped the multiplier, and a second clip saw the unclipped norm.
+    pair = Pair(seeded(mlp, 0), {"nvme_path": str(tmp_path), **options}, optimizer="AdamW", lr=0.01)
+    data = batches(4)
+    for step in range(2):
+        norms = []
+        for model, compiled, opt in ((pair.eager, pair.eager, pair.eager_opt),
+                                     (pair.zinf_model, pair.compiled, pair.zinf_opt)):
+            clip = torch.nn.utils.clip_grad_norm_ if model is pair.eager else lambda _, n: opt.clip_grad_norm_(n)
+            loss_of(compiled(data[2 * step])).backward()
+            first = clip(model.parameters(), 0.05).item()
+            loss_of(compiled(data[2 * step + 1])).backward()  # adds to the clipped gradient
+            second = clip(model.parameters(), 0.05).item()
+            third = clip(model.parameters(), 0.05).item()  # the norm of the gradient clipped just now
+            norms.append((first, second, third))
+            opt.step()
+            opt.zero_grad()
+        (eager_norms, zinf_norms) = norms
+        assert eager_norms[0] > 0.05 and eager_norms[1] > 0.05 and eager_norms[2] == pytest.approx(0.05, rel=1e-3)
+        assert zinf_norms == pytest.approx(eager_norms, rel=1e-5), f"step {step}: clipped norms"
+    pair.assert_equal([], "clipped between backwards")
+
+
 @pytest.mark.parametrize("options", [{"stage": 2}, {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"}],
                          ids=["stage2", "stage3-nvme"])
 def test_two_optimizers_over_one_model_with_one_cycle_schedules(options, tmp_path):
@@ -582,7 +611,7 @@ def test_model_zero_grad_clears_the_gradient_shards(stage, compiled_module):
         zinf_opt.step()
         (compiled if compiled_module else model).zero_grad()
         assert abs(eager_loss.item() - zinf_loss.item()) <= 1e-5 * abs(eager_loss.item())
-    assert all(not record.has_grad for record in map(RUNTIME.store.lookup, model.parameters()))
+    assert all(not record.gradient for record in map(RUNTIME.store.lookup, model.parameters()))
 
 
 @pytest.mark.slow  # a GPT under Inductor at stages 1-2; those stages by default: multirank/test_zero.py

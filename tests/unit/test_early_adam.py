@@ -74,10 +74,7 @@ class Side:
         records = list(self.records.values())
         if clipped is not None:
             for record in records:
-                if record.grad_in_ram:
-                    record.grad_shard.mul_(clipped)
-                else:
-                    record.grad_multiplier *= clipped
+                record.gradient.scale(clipped)
         engine = records[0].swap
         with engine.transaction():
             early = self.adam.early.commit(clipped is not None) if self.adam.early is not None else set()

@@ -23,6 +23,8 @@ ALLOWED = {
     ("binding.py", "_listeners"),
     # Constant tables, never written after import.
     ("transfers.py", "LEGAL_TRANSITIONS"),
+    ("grad_state.py", "LEGAL_TRANSITIONS"),
+    ("records.py", "FIELD_OWNERS"),
     ("agreement.py", "_DOING"),
     ("records.py", "DTYPES"),
     ("checkpoint_files.py", "DTYPE_NAMES"),

@@ -232,6 +232,83 @@ def test_the_check_sees_planted_upward_imports():
         "passes/))"]
 
 
+# --- ParamRecord's fields: each assigned by the one module that owns its transitions (issue 53, acceptance 3) ---
+
+# Objects of the same attribute names that are not records: (module, the name the object goes by there).
+NOT_RECORDS = {("zinf_compiler.backend", "captured")}  # a captured graph's mesh
+
+
+def _assigned_attributes(tree: ast.AST):
+    """``(line, object expression, attribute)`` of every attribute assigned in ``tree`` (``=``, ``+=``, annotated,
+    unpacked, ``setattr`` with a constant name), but an object's own (``self.x = ...``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            targets = [ast.Attribute(value=node.args[0], attr=node.args[1].value, lineno=node.lineno)]
+        else:
+            continue
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List, ast.Starred)):
+                targets.extend(target.elts if not isinstance(target, ast.Starred) else [target.value])
+            elif isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                            and target.value.id == "self"):
+                yield node.lineno, ast.unparse(target.value), target.attr
+
+
+def misassigned_fields(modules: dict[str, pathlib.Path], owners: dict[str, str | None]) -> list[str]:
+    """Every assignment of a field of ``owners`` (field -> its owning module, None: assigned by none) outside its
+    owner, as ``  module:line  expression.field (owned by ...)``."""
+    found = []
+    for module, path in sorted(modules.items()):
+        for line, obj, attr in _assigned_attributes(ast.parse(path.read_text())):
+            if attr in owners and owners[attr] != module and (module, obj) not in NOT_RECORDS:
+                found.append(f"  {module}:{line}  {obj}.{attr} (owned by {owners[attr] or 'no module: fixed'})")
+    return found
+
+
+def test_every_record_field_is_assigned_by_its_owner_alone():
+    import dataclasses
+
+    from zinf_compiler.runtime.records import FIELD_OWNERS, ParamRecord
+    fields = {field.name for field in dataclasses.fields(ParamRecord)}
+    assert fields == set(FIELD_OWNERS), f"records.FIELD_OWNERS names no owner for {sorted(fields - set(FIELD_OWNERS))}"
+    modules = module_files(FOLDERS)
+    assert {owner for owner in FIELD_OWNERS.values() if owner} <= set(modules)
+    found = misassigned_fields(modules, FIELD_OWNERS)
+    assert not found, "ParamRecord fields assigned outside their owning module (runtime/records.py FIELD_OWNERS):\n" \
+        + "\n".join(found)
+
+
+def test_a_gradient_changes_only_by_its_own_moves():
+    from zinf_compiler.runtime.grad_state import Gradient
+    owners = {slot: f"{RUNTIME_PACKAGE}.grad_state" for slot in Gradient.__slots__ if slot.startswith("_")}
+    found = misassigned_fields(module_files(FOLDERS), owners)
+    assert not found, "a Gradient's state assigned outside runtime/grad_state.py:\n" + "\n".join(found)
+
+
+def test_the_check_sees_planted_field_assignments(tmp_path):
+    texts = {"zinf_compiler.loader": "def load(record, rec, v):\n    record.shard = v\n    rec.synced_version += 1\n"
+                                     "    a, rec.master = v\n    setattr(record, 'swap', v)\n    self.shard = v\n",
+             "zinf_compiler.backend": "captured.mesh = 1\nrecord.mesh = 2\n"}
+    planted = {}
+    for module, text in texts.items():
+        planted[module] = tmp_path / f"{module}.py"
+        planted[module].write_text(text)
+    owners = {"shard": "m.values", "master": "m.values", "synced_version": "m.publish", "swap": "m.store",
+              "mesh": None}
+    assert misassigned_fields(planted, owners) == [
+        "  zinf_compiler.backend:2  record.mesh (owned by no module: fixed)",
+        "  zinf_compiler.loader:2  record.shard (owned by m.values)",
+        "  zinf_compiler.loader:3  rec.synced_version (owned by m.publish)",
+        "  zinf_compiler.loader:4  rec.master (owned by m.values)",
+        "  zinf_compiler.loader:5  record.swap (owned by m.store)"]
+
+
 def oversized(path: pathlib.Path) -> list[str]:
     """What in ``path`` is over the size limits: the file itself, and each class (nested ones too)."""
     source = path.read_text()

@@ -210,11 +210,11 @@ def test_reduced_gradients_add_up_in_the_gradient_shard_until_dropped(store, opt
     for grad in grads:
         store.reduce_grad_start(unit, [grad])
         store.reduce_grad_wait(unit)
-    assert torch.allclose(record.grad_shard.view(4, 3), grads[0] + grads[1])
-    assert record.grad_shard.device.type == "cpu"
+    assert torch.allclose(record.gradient.shard.view(4, 3), grads[0] + grads[1])
+    assert record.gradient.shard.device.type == "cpu"
     held = store.resting["device" if opt_tier == "device" else "cpu"]
     store.drop_grads([record])
-    assert record.grad_shard is None and store.resting["device" if opt_tier == "device" else "cpu"] < held
+    assert record.gradient.shard is None and store.resting["device" if opt_tier == "device" else "cpu"] < held
     with pytest.raises(ZinfStoreError, match="2 gradients for 1 parameters"):
         store.reduce_grad_start(unit, grads)
 

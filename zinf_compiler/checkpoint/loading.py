@@ -251,7 +251,7 @@ def _load_model(store: ParamStore, checkpoint: Checkpoint, model) -> None:
             full = checkpoint.read_full(name, "value", record.numel, record.holding_dtype)
             param.data.copy_(full.view(record.shape))
             store.assign_full(record, full.view(record.shape))
-            record.synced_version = param._version
+            store.mark_synced(record)
         elif tensor_parallel.layout_of(param) is not None:  # (not adopted yet) its TP-local slice of the whole
             local = tensor_parallel.local_of(param)
             local.copy_(checkpoint.read_ranges(name, "value", tensor_parallel.global_ranges(
