@@ -3,8 +3,8 @@
     python benchmarks/host_adam.py [--params 64M --threads 1,2 --rounds 5]    (DeepSpeed: scripts/install_bench.sh)
 
 zinf steps host-resident optimizer state with torch's fused CPU AdamW kernel: the cpu tier's optimizer
-(``zinf_compiler/optim_step.make_inner``: ``torch.optim.AdamW(fused=True)`` over the fp32 masters) and the NVMe
-tier's sub-group step (``runtime/nvme_adam.adam_kernel``, also what the early step runs).  This script times that
+(``runtime/optim/step.make_inner``: ``torch.optim.AdamW(fused=True)`` over the fp32 masters) and the NVMe
+tier's sub-group step (``runtime/optim/nvme_adam.adam_kernel``, also what the early step runs).  This script times that
 kernel over ``--params`` fp32 elements (a list of 16M-element tensors, the NVMe tier's sub-group size) beside
 ``DeepSpeedCPUAdam`` (AdamW mode, its own AVX/OpenMP kernel) on equal copies of the same state and gradients,
 taking turns for ``--rounds`` steps each.  Each thread count runs in a process of its own with
@@ -42,7 +42,7 @@ def one(numel: int, rounds: int) -> dict:
     """In a process with OMP_NUM_THREADS set: both kernels' steps per second and the bit checks."""
     import torch
 
-    from zinf_compiler.runtime.nvme_adam import adam_kernel
+    from zinf_compiler.runtime.optim.nvme_adam import adam_kernel
 
     threads = int(os.environ["OMP_NUM_THREADS"])
     torch.set_num_threads(threads)
@@ -51,7 +51,7 @@ def one(numel: int, rounds: int) -> dict:
     initial = [torch.randn(size, generator=generator) for size in sizes]
     grads = [[torch.randn(size, generator=generator) * 1e-2 for size in sizes] for _ in range(2)]
 
-    # zinf's cpu tier: the inner torch optimizer over the masters, as optim_step.make_inner builds it.
+    # zinf's cpu tier: the inner torch optimizer over the masters, as runtime/optim/step.make_inner builds it.
     masters = [torch.nn.Parameter(t.clone()) for t in initial]
     inner = torch.optim.AdamW(masters, fused=True, **HYPER)
 

@@ -1,5 +1,5 @@
 """Work that moves on at the store's transfer points and inside its waits (the optimizer's early steps,
-runtime/early_adam.py): a part of :class:`~.store.ParamStore`, which makes the state it uses."""
+runtime/optim/early_adam.py): a part of :class:`~.store.ParamStore`, which makes the state it uses."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ class FetchSteps:
     @staticmethod
     def _offer_fetched_masters(unit: Unit, staging) -> None:
         """The fp32 masters this read brought (``params_in_master``) go to the parameter's early optimizer
-        step, which may keep them rather than read them again (runtime/fetched_masters.py)."""
+        step, which may keep them rather than read them again (runtime/optim/fetched_masters.py)."""
         for piece, at in zip(unit.pieces, unit.staging_offsets):
             record = piece.layout
             listener = grad_listener_of(record) if record.params_in_master else None

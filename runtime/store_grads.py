@@ -27,7 +27,7 @@ class GradientSteps:
     (from the graph) or :meth:`reduce_full_grads` (stages 1-2, after
     backward); nvme optimizer tiers write it to swap per sub-group, or keep
     it in RAM within ``nvme_grad_ram_bytes``, and tell an early-stepping
-    optimizer (runtime/early_adam.py) as it lands.
+    optimizer (runtime/optim/early_adam.py) as it lands.
     """
 
     def reduce_grad_start(self, unit: Unit, grads: list[torch.Tensor]) -> None:
@@ -198,7 +198,7 @@ class GradientSteps:
         step_now = listener is not None and listener.arrival(record, None)
         if gradient.state is GradState.LOST:
             return  # already incomplete: nothing to add to, the step refuses it until zero_grad
-        # The whole gradient for an early step (runtime/early_adam.py), a copy of its own: ``reduced`` may be
+        # The whole gradient for an early step (runtime/optim/early_adam.py), a copy of its own: ``reduced`` may be
         # memory the compiled graph reuses once this op returns, and an accumulated one is only in the staging.
         total = torch.empty(record.local_numel, dtype=torch.float32) if step_now else None
         # What the files hold still waits for its multiplier (clipping or scaling since it was written): applied
@@ -328,7 +328,7 @@ class GradientSteps:
         """Multiply the accumulated gradients of ``records`` by ``factor`` (a pipeline schedule's
         1 / micro-batches): shards in memory now; gradients in swap files when the step reads them, as
         clipping does (their norm, kept for clipping, scales with them; an early step taken on the
-        unscaled gradient no longer counts, see runtime/early_adam.py)."""
+        unscaled gradient no longer counts, see runtime/optim/early_adam.py)."""
         for record in records:
             listener = grad_listener_of(record)
             if listener is not None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .nvme_adam import write_initial_master
+from .optim.nvme_adam import write_initial_master
 from .records import ParamRecord, nbytes_of, tier_memory
 from .swap_layout import SUB_GROUP_NUMEL
 

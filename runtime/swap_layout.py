@@ -9,7 +9,7 @@ optimizer steps and the optimizer's save/load read them from the plan
   master key's start are multiples of it;
 * sub-groups: an nvme-tier slice's fp32 optimizer state (and its gradient) is
   cut into ranges of at most ``SUB_GROUP_NUMEL`` elements, one swap key each,
-  so a step streams them (runtime/nvme_adam.py);
+  so a step streams them (runtime/optim/nvme_adam.py);
 * key names: ``<state>.<uid>.<index>`` for optimizer state and gradients of
   sub-group ``index`` (:func:`state_key`), ``param.<uid>`` for a parameter's
   shard (:func:`param_key`) and ``param.<uid>.t<tile>`` per row tile

@@ -66,7 +66,7 @@ IN_FLIGHT_MODELS = 1
 # Bytes the CPU Adam pass moves per fp32 element it steps: it reads the master, two moments and the
 # gradient and writes the master and two moments.
 ADAM_BYTES_PER_ELEMENT = 7 * 4
-# The host-memory early step (runtime/early_host_adam.py) copies master and moments first: 12 bytes read, 12 written.
+# The host-memory early step (runtime/optim/early_host_adam.py) copies master and moments first: 12 bytes read, 12 written.
 EARLY_COPY_BYTES_PER_ELEMENT = 6 * 4
 
 
@@ -88,7 +88,7 @@ class Prediction:
     built_bytes: int = 0  # the whole model's parameters as built (their own dtypes), before zinf adopts them
     flops: int | None = None
     step: dict[str, float] | None = None
-    # fp32 gradient copies the step during backward (runtime/early_adam.py, ``start(owned=True)``) holds in RAM
+    # fp32 gradient copies the step during backward (runtime/optim/early_adam.py, ``start(owned=True)``) holds in RAM
     # until it has stepped them, for parameters whose gradient rests on NVMe: the runtime counts them as transient
     # cpu bytes (measured: up to 62% of them at once on the budgets GPT, varying step to step as the disk lags);
     # predicted at their whole, the bound.
@@ -179,7 +179,7 @@ def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute:
             write += shard_bytes  # the stepped value written back
     if trained and plan.opt_tier == "nvme":
         # Master and two moments; a step during backward takes the master the backward's fetch read
-        # (runtime/fetched_masters.py) where the parameter is read from its master's files.
+        # (runtime/optim/fetched_masters.py) where the parameter is read from its master's files.
         read += (2 if plan.params_in_master and plan.step_in_backward else 3) * local_fp32
         write += 3 * local_fp32
         if not grad_in_ram:
@@ -302,7 +302,7 @@ def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_siz
     if any("nvme" in (p.param_tier, p.opt_tier) for p in plans):  # (what reads and writes swap)
         pinned["parameters"] = pool_bytes
     # The NVMe optimizer's buffers: the early step's pool, which the step after backward borrows; without an
-    # early step, a pool of the late step's own (runtime/nvme_adam.py).
+    # early step, a pool of the late step's own (runtime/optim/nvme_adam.py).
     stepped_on_disk = [p for p, (param, *_) in zip(plans, planned)
                        if p.opt_tier == "nvme" and p.local_numel and param.requires_grad]
     early = [p for p in stepped_on_disk if p.step_in_backward]

@@ -24,31 +24,12 @@ Issue 37 has the rest.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 
-from .runtime.tensor_parallel import local_of  # noqa: F401 (context.py imports it from here, with flat_width)
-
-
-@dataclasses.dataclass(frozen=True)
-class TPLayout:
-    """How one parameter lies across the tensor-parallel ranks: what ``from_local`` needs, and what a full
-    state dict needs to rebuild the whole tensor."""
-
-    mesh: object  # the DeviceMesh of the tp dimension
-    placements: tuple
-    shape: torch.Size  # the whole (global) tensor's
-    stride: tuple[int, ...]
-
-
-def layout_of(param: torch.Tensor) -> TPLayout | None:
-    """``param``'s TP layout if it is a DTensor, else None."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        return TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-    return None
+# (context.py imports local_of from here, with flat_width; the optimizer's step reads model_tp_mesh and
+# holds_own_slice from the runtime, where the layout of a DTensor parameter is read)
+from .runtime.tensor_parallel import holds_own_slice, layout_of, local_of, model_tp_mesh  # noqa: F401
 
 
 def flat_width(tensor: torch.Tensor) -> int:
@@ -164,35 +145,6 @@ def local_input(param: torch.Tensor) -> torch.Tensor:
 
 
 # ---- Checkpoints: a TP-local tensor's elements as ranges of the whole (global) flat tensor ----
-
-def model_tp_mesh(params, what: str = "zinf checkpoints") -> object | None:
-    """The one tp DeviceMesh of the DTensor ``params`` (None: no tensor-parallel parameter).  Parameters on
-    several tp meshes, or on a tp mesh of more than one dimension, are refused (``what`` refuses them)."""
-    from .runtime.checkpoint_files import ZinfCheckpointError
-
-    meshes = {}
-    for param in params:
-        layout = layout_of(param)
-        if layout is not None:
-            meshes.setdefault(id(layout.mesh), layout.mesh)
-    if not meshes:
-        return None
-    if len(meshes) > 1:
-        raise ZinfCheckpointError(f"{what}: the model's tensor-parallel parameters lie on "
-                                  f"{len(meshes)} different device meshes; one tp mesh per model is supported")
-    (mesh,) = meshes.values()
-    if mesh.ndim != 1:
-        raise ZinfCheckpointError(f"{what}: a {mesh.ndim}-D tensor-parallel mesh is not supported (a "
-                                  f"1-D mesh[\"tp\"] is)")
-    return mesh
-
-
-def holds_own_slice(param: torch.Tensor) -> bool:
-    """Whether ``param``'s TP-local tensor is a slice no other tp rank holds (a Shard placement); a Replicate
-    DTensor or a plain parameter of a TP model is the same on every tp rank (tp rank 0 alone saves it)."""
-    layout = layout_of(param)
-    return layout is not None and any(placement.is_shard() for placement in layout.placements)
-
 
 def global_shape(param: torch.Tensor, local_shape) -> torch.Size:
     """The whole tensor's shape: a DTensor's global one, else ``local_shape`` (the store record's)."""

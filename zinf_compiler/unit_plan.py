@@ -58,7 +58,7 @@ def buckets(ctx: GraphContext, slots: Iterable[int]) -> list[list[int]]:
     blocks = [block_of(ctx, slot) if layout is not None and _bucketable(layout) else None
               for slot, layout in zip(slots, layouts)]
     # Except NVMe-tier parameters at world size 1: there a step waits on the disk, not on the ops, and each
-    # unit's fp32 masters, kept from its fetch for the early step (runtime/fetched_masters.py), are taken
+    # unit's fp32 masters, kept from its fetch for the early step (runtime/optim/fetched_masters.py), are taken
     # before the prefetch brings the next: a block's at once dropped the older copies before their step used
     # them (24 of 56 masters reused against 50; tests/integration/test_master_read_once.py).
     limits = [0 if ctx.captured.world_size == 1 and layout is not None and layout.param_tier == "nvme" else limit

@@ -1,4 +1,4 @@
-"""The host-memory optimizer's step taken during backward (runtime/early_host_adam.py): bit-equal to the step after
+"""The host-memory optimizer's step taken during backward (runtime/optim/early_host_adam.py): bit-equal to the step after
 backward, whatever voids it.
 
 Two runs of the same GPT with the optimizer state on the cpu tier, one with ``overlap_optimizer=True`` (each

@@ -2,8 +2,8 @@
 
 With parameters and optimizer on NVMe and fp32 shards (``params_in_master``),
 the backward's fetch reads a parameter's master and its early optimizer step
-(runtime/early_adam.py) needs the same bytes a moment later: the step takes
-them from the fetch (runtime/fetched_masters.py) and reads only the moments.
+(runtime/optim/early_adam.py) needs the same bytes a moment later: the step takes
+them from the fetch (runtime/optim/fetched_masters.py) and reads only the moments.
 Bytes read per step: 4 (forward fetch) + 4 (backward fetch) + 8 (moments) =
 16 per trained parameter, not 20; the parameters equal, bit for bit, a run
 that reads every master from disk.
@@ -18,9 +18,9 @@ import zinf_compiler as zinf
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.aio import AioEngine
-from zinf_compiler.runtime.early_adam import EarlyAdam
-from zinf_compiler.runtime.fetched_masters import FetchedMasters
-from zinf_compiler.runtime.nvme_adam import SubGroup
+from zinf_compiler.runtime.optim.early_adam import EarlyAdam
+from zinf_compiler.runtime.optim.fetched_masters import FetchedMasters
+from zinf_compiler.runtime.optim.nvme_adam import SubGroup
 from zinf_compiler.runtime.pinned import PinnedPool
 from zinf_compiler.runtime.pool_sizes import optimizer_pool_bytes
 from zinf_compiler.runtime.trace import Tracer

@@ -317,7 +317,7 @@ def test_a_model_built_in_memory_counts_until_it_is_adopted(tmp_path):
 
 def test_the_gradients_a_step_during_backward_holds_count_in_the_peak(tmp_path):
     """With the gradients on NVMe, the optimizer's step during backward holds a RAM copy of each until it has
-    stepped it (runtime/early_adam.py): the peak counts them, at most all at once; none with the gradients in
+    stepped it (runtime/optim/early_adam.py): the peak counts them, at most all at once; none with the gradients in
     RAM (the step reads those) or without the step during backward."""
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=64)
     with torch.device("meta"):

@@ -39,7 +39,7 @@ def _undocumented(path: pathlib.Path, root: pathlib.Path) -> list[str]:
 
 
 def test_every_public_name_has_a_docstring():
-    files = [(path, package.parent) for package in PACKAGES for path in sorted(package.glob("*.py"))]
+    files = [(path, package.parent) for package in PACKAGES for path in sorted(package.rglob("*.py"))]
     assert len(files) > 50, f"read only {len(files)} files: is the package layout what this test expects?"
     missing = [entry for path, root in files for entry in _undocumented(path, root)]
     assert not missing, "public names without a docstring:\n" + "\n".join(missing)

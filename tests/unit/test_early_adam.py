@@ -1,4 +1,4 @@
-"""In-process unit tests of the optimizer step taken during backward (runtime/early_adam.py, issue 26).
+"""In-process unit tests of the optimizer step taken during backward (runtime/optim/early_adam.py, issue 26).
 
 Two stores of their own, fed the same gradients through the store's reduce
 ops: one steps after backward only (NvmeAdam.step), the other early, as each
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from zinf_compiler.runtime import param_plan, swap_layout
-from zinf_compiler.runtime.early_adam import EarlyAdam
-from zinf_compiler.runtime.nvme_adam import NvmeAdam
+from zinf_compiler.runtime.optim.early_adam import EarlyAdam
+from zinf_compiler.runtime.optim.nvme_adam import NvmeAdam
 from zinf_compiler.runtime.records import POOL_WAIT_SECONDS
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.store import ParamStore

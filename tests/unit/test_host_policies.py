@@ -4,7 +4,7 @@
   caller's thread when the compute's threads already occupy every core, and
   on the worker thread otherwise (copies next to NVMe reads always take the
   worker).
-* ``optim_step.host_memory_bounded``: the optimizer step gives freed host memory
+* ``runtime/optim/step.host_memory_bounded``: the optimizer step gives freed host memory
   back to the OS where host memory is bounded (NVMe tiers, cpu tiers beside an
   accelerator), not for a model trained on the CPU from memory.
 """
@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from zinf_compiler.optim_step import host_memory_bounded
+from zinf_compiler.runtime.optim.step import host_memory_bounded
 from zinf_compiler.runtime.copy_engine import INLINE_COPY_BYTES, CopyEngine
 from zinf_compiler.runtime.trace import Tracer
 

@@ -33,6 +33,7 @@ ALLOWED = {
     ("checkpoint_files.py", "DTYPES_BY_SAFETENSORS"),
     ("aio.py", "__all__"),
     ("store.py", "__all__"),
+    ("optim/optimizer.py", "__all__"),
 }
 
 _MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "WeakSet", "WeakValueDictionary",
@@ -59,9 +60,9 @@ def _module_state(path: pathlib.Path) -> list[str]:
 
 
 def test_no_module_level_mutable_state_in_the_runtime_but_the_registry():
-    files = sorted(RUNTIME_DIR.glob("*.py"))
+    files = sorted(RUNTIME_DIR.rglob("*.py"))  # (runtime/optim/ too)
     assert len(files) > 20
-    found = {(path.name, name) for path in files for name in _module_state(path)}
+    found = {(path.relative_to(RUNTIME_DIR).as_posix(), name) for path in files for name in _module_state(path)}
     assert found - ALLOWED == set(), f"module-level mutable state outside the Runtime: {sorted(found - ALLOWED)}"
     assert ("binding.py", "_local") in found  # the check sees what it looks for
     # The registry itself is the entry layer's, outside runtime/.

@@ -3,7 +3,7 @@
 Two models in one process, both with their parameters and optimizer state on
 NVMe, trained the way a GAN or a teacher-student loop does: A's backward,
 then B's forward and backward, then both optimizer steps.  A's early
-optimizer steps (runtime/early_adam.py) are in flight while B's graphs run,
+optimizer steps (runtime/optim/early_adam.py) are in flight while B's graphs run,
 and may move on inside B's waits on gloo and the disk (ParamStore._wait_working).
 The rank runs this twice, with the steps during backward and without, and
 steps an eager copy of each model beside it.

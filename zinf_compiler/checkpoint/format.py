@@ -50,6 +50,7 @@ def write_ranges(writer: ChecksummedWriter, chunks, ranges) -> list[list[int]]:
 
 
 def rng_state() -> dict:
+    """This rank's RNG states (torch, Python, CUDA where initialized) as JSON values, for a checkpoint."""
     state = {"torch": torch.get_rng_state().numpy().tobytes().hex(), "python": jsonable(random.getstate())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
@@ -57,14 +58,17 @@ def rng_state() -> dict:
 
 
 def jsonable(value):
+    """``value`` with its tuples as lists, nested (what JSON keeps)."""
     return [jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def tupled(value):
+    """``value`` with its lists as tuples, nested (the inverse of :func:`jsonable`)."""
     return tuple(tupled(v) for v in value) if isinstance(value, list) else value
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore the RNG states :func:`rng_state` gave (CUDA's on the devices this process has)."""
     torch.set_rng_state(torch.frombuffer(bytearray.fromhex(state["torch"]), dtype=torch.uint8))
     random.setstate(tupled(state["python"]))
     if "cuda" in state and torch.cuda.is_available():

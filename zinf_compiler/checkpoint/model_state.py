@@ -89,6 +89,7 @@ def sharded(record: ParamRecord | None) -> bool:
 
 
 def check_optimizer(optimizer) -> None:
+    """Refuse an optimizer that is not zinf's (its state is not where a checkpoint reads it)."""
     if not isinstance(optimizer, ZinfOptimizer):
         raise TypeError(f"zinf.save/load take a zinf optimizer (zinf_compiler.optim.AdamW, Adam or SGD), not "
                         f"{type(optimizer).__module__}.{type(optimizer).__name__}")

@@ -41,6 +41,7 @@ _STAGE_GROUPS: dict[tuple, dict[int, object]] = {}
 
 
 def stage_folder(path: str, index: int) -> str:
+    """The folder of stage ``index`` inside a pipeline's checkpoint folder ``path``."""
     return os.path.join(path, f"stage-{index:03d}")
 
 
@@ -90,9 +91,11 @@ class StageLayout:
         self.comm = world.subgroup(_STAGE_GROUPS[key][index])
 
     def describe(self) -> str:
+        """The layout in words (stages, and each one's ranks, tp and dp), for messages."""
         return describe(self.meta())
 
     def meta(self) -> dict:
+        """What the checkpoint's meta.json records of the layout: stages, their ranks, tp and dp sizes."""
         return {"stages": self.count, "ranks": self.ranks,
                 "tp": self.tps, "dp": [len(ranks) // tp for ranks, tp in zip(self.ranks, self.tps)]}
 

@@ -157,6 +157,7 @@ def read_committed_meta(path: str):
 
 
 def not_committed(path: str) -> str:
+    """Why there is no complete checkpoint at ``path``, and what to load instead (an error's message)."""
     if os.path.isdir(path + ".old") and os.path.exists(os.path.join(path + ".old", COMMIT_MARKER)):
         return (f"no checkpoint at {path}: a save that was replacing it was interrupted; the previous complete "
                 f"checkpoint is at {path}.old (load that, or rename it)")

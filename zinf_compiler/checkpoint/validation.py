@@ -21,6 +21,7 @@ from .format import FORMAT, tupled
 
 
 def bad(where: str, field: str, problem: str) -> ZinfCheckpointError:
+    """The error for a damaged checkpoint field: where, which field, what is wrong, and what to do."""
     return ZinfCheckpointError(f"{where}: {field} {problem}: the checkpoint is damaged or was not written by "
                                f"zinf.save; load another one (zinf.latest(folder) finds the newest complete one)")
 
@@ -31,6 +32,7 @@ def _shown(value) -> str:
 
 
 def is_number(value) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

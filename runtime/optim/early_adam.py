@@ -24,7 +24,7 @@ the result never depends on the guess; only the speed does.
 
 Which arrival to step at: the last one of the step before (a parameter two
 graphs use gets two per step; accumulating k micro-batches, k), by
-runtime/arrivals.py's rule, which the host-memory early step shares.
+runtime/optim/arrivals.py's rule, which the host-memory early step shares.
 
 No thread: the pipeline moves on at the store's transfer points during
 backward (:meth:`EarlyAdam.advance`), which never waits, and while the graph
@@ -60,9 +60,9 @@ from .arrivals import Arrivals, EarlyStep
 from .fetched_masters import FetchedMasters, try_acquire
 from .nvme_adam import (STATE_NAMES, SubGroup, stage_param, start_reads, start_writes, step_group, sub_group_plan,
                         take_buffers, wait_all)
-from .pool_sizes import READ_AHEAD, early_step_pool_bytes
-from .pinned import PinnedPool
-from .records import POOL_WAIT_SECONDS, listen_to_gradients
+from ..pool_sizes import READ_AHEAD, early_step_pool_bytes
+from ..pinned import PinnedPool
+from ..records import POOL_WAIT_SECONDS, listen_to_gradients
 
 # Sub-groups read ahead per parameter: one computing while the next is read.
 
@@ -118,7 +118,7 @@ class EarlyAdam(EarlyStep):
         self.groups_by_uid = {record.uid: group for record, group in records_and_groups}
         self.jobs: dict[int, _Job] = {}  # uid -> its current early step
         self.dropped: list[_Job] = []  # cancelled jobs still settling their transfers
-        self.arrivals = Arrivals()  # which arrival of each gradient to step at (runtime/arrivals.py)
+        self.arrivals = Arrivals()  # which arrival of each gradient to step at (runtime/optim/arrivals.py)
         self.pool: PinnedPool | None = None
         self.fetched_masters = FetchedMasters(nvme_adam.store.comm.tracer)
         self.stats = {"started": 0, "committed": 0, "dropped": 0}

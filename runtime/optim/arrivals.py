@@ -1,6 +1,6 @@
 """When to take a parameter's optimizer step during backward: at which of its gradient's arrivals.
 
-Shared by the two early steps (runtime/early_adam.py for state on NVMe, runtime/early_host_adam.py for state in
+Shared by the two early steps (runtime/optim/early_adam.py for state on NVMe, runtime/optim/early_host_adam.py for state in
 host memory).  A parameter's gradient may arrive several times in one step: a parameter two graphs use, or
 accumulation over micro-batches, or a tiled parameter whose tiles arrive one by one (an arrival is complete when
 every tile has come).  An early step is taken at the arrival the previous step ended with (the first step guesses
@@ -47,8 +47,8 @@ class Arrivals:
 
 class EarlyStep:
     """What the store tells an early step of (its ``grad_listener``, runtime/store_grads.py): a gradient's
-    arrival, a gradient changed in place, gradients dropped.  Subclasses (runtime/early_adam.py,
-    runtime/early_host_adam.py) hold ``groups_by_uid`` (uid -> the param group it steps with) and
+    arrival, a gradient changed in place, gradients dropped.  Subclasses (runtime/optim/early_adam.py,
+    runtime/optim/early_host_adam.py) hold ``groups_by_uid`` (uid -> the param group it steps with) and
     ``arrivals``, and say how a step starts (``start``) and is made void (``_cancel``)."""
 
     groups_by_uid: dict

@@ -9,13 +9,13 @@ import weakref
 
 import torch
 
-from zinf_compiler.runtime.aio import AioError
-from zinf_compiler.runtime.early_host_adam import EarlyHostAdam
-from zinf_compiler.runtime.host_memory import available_bytes
-from zinf_compiler.runtime.store import ParamStore
+from ..aio import AioError
+from .early_host_adam import EarlyHostAdam
+from ..host_memory import available_bytes
+from ..store import ParamStore
 
-from .optim_state import Slot
-from .tensor_parallel import holds_own_slice, model_tp_mesh
+from .state import Slot
+from ..tensor_parallel import holds_own_slice, model_tp_mesh
 
 # With parameters on NVMe, masters are stepped and written back this many bytes at a time.
 PUBLISH_CHUNK_BYTES = 32 << 20

@@ -20,9 +20,9 @@ import dataclasses
 
 import torch
 
-from .aio import AioError
-from .pool_sizes import optimizer_pool_bytes
-from .swap_layout import STATE_NAMES, SUB_GROUP_NUMEL  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
+from ..aio import AioError
+from ..pool_sizes import optimizer_pool_bytes
+from ..swap_layout import STATE_NAMES, SUB_GROUP_NUMEL  # noqa: F401  (SUB_GROUP_NUMEL: the docstring's)
 
 
 def write_initial_master(store, record, local_fp32: torch.Tensor) -> None:
@@ -61,7 +61,7 @@ class SubGroup:
 
 
 # The stages of a sub-group's step, shared by the step after backward (NvmeAdam.step) and the one
-# during backward (runtime/early_adam.py): read its state, step it, write it, stage the parameter.
+# during backward (runtime/optim/early_adam.py): read its state, step it, write it, stage the parameter.
 
 
 def sub_group_plan(record) -> list[SubGroup]:
@@ -140,7 +140,7 @@ class NvmeAdam:
         self.pool = None  # PinnedPool: its own quota ("optimizer"), made at the first step after backward
         self.steps: dict[int, int] = {}  # uid -> optimizer steps taken
         self._shards_updated: list = []  # (record, group): in-memory shard slices the last step updated
-        self.early = None  # EarlyAdam: the steps taken during backward (runtime/early_adam.py)
+        self.early = None  # EarlyAdam: the steps taken during backward (runtime/optim/early_adam.py)
         self.store_wait_seconds = 120.0
 
     def _start_reads(self, pool, group: SubGroup, first_step: bool) -> None:

@@ -2,7 +2,7 @@
 
 Why: an fp32 parameter resting on NVMe with its optimizer there
 (``ParamPlan.params_in_master``) has no file of its own: the backward's fetch
-reads its master, and the early step (runtime/early_adam.py) would read the
+reads its master, and the early step (runtime/optim/early_adam.py) would read the
 same bytes again a moment later.  Kept here, they are read once: 16 bytes
 per parameter a step (master and two moments read, the fetch's 4 included)
 instead of 20.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 
 from .nvme_adam import SubGroup
-from .trace import now
+from ..trace import now
 
 
 class FetchedMasters:

@@ -1,7 +1,7 @@
 """What a zinf optimizer steps and holds: its slots, and its state where it rests (memory or NVMe swap files).
 
-The one place outside the NVMe step itself (runtime/nvme_adam.py) that names
-the swap keys of Adam's moments: :meth:`ZinfOptimizer.save_state` and
+The one place outside the NVMe step itself (runtime/optim/nvme_adam.py) that names
+the swap keys of Adam's moments: :meth:`ShardOptimizer.save_state` and
 ``load_state`` go through :func:`read_moment` and :func:`write_moment`, so
 that a checkpoint handles an NVMe-resident state as it does one in memory.
 """
@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from zinf_compiler.runtime.store import ParamRecord, ParamStore
+from ..store import ParamRecord, ParamStore
 
 # What NvmeAdam keeps per slot in swap files besides the master (its step count stays in memory).
 NVME_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -63,7 +63,7 @@ def write_moment(store: ParamStore, record: ParamRecord, kind: str, local: torch
 
 def count_state_bytes(inner: torch.optim.Optimizer | None, memory_slots: list[Slot], nvme, nvme_slots: list[Slot],
                 params: set[int] | None) -> dict[str, int]:
-    """Bytes of optimizer state per tier for ``params`` (ids), or all (see ``ZinfOptimizer.state_bytes``)."""
+    """Bytes of optimizer state per tier for ``params`` (ids), or all (see ``ShardOptimizer.state_bytes``)."""
     per_tier = {"device": 0, "cpu": 0, "nvme": 0}
     if inner is None:
         return per_tier
@@ -82,7 +82,7 @@ def count_state_bytes(inner: torch.optim.Optimizer | None, memory_slots: list[Sl
 
 def unaccount_state(store: ParamStore, state_bytes: dict[int, list]) -> None:
     """A dropped optimizer's moments stop counting in their models' ledgers (a ``weakref.finalize`` callback;
-    ``state_bytes``: id(group) -> [group, {tier: bytes}], see ``ZinfOptimizer._account_state``)."""
+    ``state_bytes``: id(group) -> [group, {tier: bytes}], see ``ShardOptimizer._account_state``)."""
     for group, per_tier in state_bytes.values():
         for tier, nbytes in per_tier.items():
             store.add_optimizer_bytes(tier, -nbytes, ledger=group.ledger)

@@ -7,7 +7,7 @@ from *copies* of its master and moments, with torch's fused kernel as the step a
 ``opt.step()`` puts each stepped copy in place of the state (:meth:`EarlyHostAdam.commit`) where its
 premises still hold, and steps the rest after backward as before:
 
-* this was the arrival to step at (runtime/arrivals.py: no later gradient came);
+* this was the arrival to step at (runtime/optim/arrivals.py: no later gradient came);
 * no clipping scaled the gradients and no fp16 overflow skipped the step;
 * the hyperparameters (lr, betas, eps, weight_decay) and the step count are the ones it stepped with.
 
@@ -33,7 +33,7 @@ import torch
 
 from .arrivals import Arrivals, EarlyStep
 from .early_adam import hyperparameters
-from .records import listen_to_gradients
+from ..records import listen_to_gradients
 
 # What a slot's state is to the early step: (fp32 master, exp_avg, exp_avg_sq, step count tensor), all on the host.
 HostState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
