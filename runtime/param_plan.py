@@ -8,8 +8,9 @@ the shard and of the optimizer state, and the adoption's decisions about
 where the bytes live (the master doubling as the parameter, the shard being
 the parameter's own storage, the step taken in backward).  The store adopts
 a parameter by building its plan (``ParamRecord.plan``); the compile side
-builds the same plans ahead of adoption to size the swap folder.  Bucket
-membership is a fact of a model's list of plans: :func:`plan_buckets`.
+plans a whole model ahead of adoption (zinf_compiler/model_plan.py) and the
+store adopts each parameter by its plan.  Bucket membership is a fact of a
+model's list of layouts (runtime/buckets.py).
 
 Layout, tile-major for a tiled parameter: each row tile is flattened, padded
 to a multiple of the world size and split evenly over ranks; this rank's
@@ -25,15 +26,20 @@ Pure: no process group, no store, no I/O.
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
-from .buckets import bucket_runs
 from .ledger import ZinfStoreError
 from .swap_layout import ALIGNMENT, param_key, state_key, sub_groups, tile_key
+from .tiers import KINDS, TIERS
 
 OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq", "grad")  # the fp32 state of a slice, one key each per sub-group
+
+
+def _in_memory(tier: str) -> str:
+    """The memory a tier's tensors occupy: nvme-tier state is staged in CPU memory."""
+    return "device" if tier == "device" else "cpu"
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:
@@ -78,6 +84,10 @@ class ParamPlan:
     # The optimizer steps it during backward as its gradient lands (option overlap_optimizer): state on NVMe
     # (early_adam.py) or in host memory (early_host_adam.py).
     step_in_backward: bool
+    requires_grad: bool = True  # the parameter's, when planned (a frozen one gets no gradient nor moments)
+    # nvme optimizer tier: its fp32 gradient rests in RAM, within option nvme_grad_ram_bytes (the model's plan
+    # decides, zinf_compiler/model_plan.py; the store reserves it), instead of in swap files.
+    grad_in_ram: bool = False
 
     @property
     def numel(self) -> int:
@@ -111,6 +121,112 @@ class ParamPlan:
     def tile_slot_numel(self, tile: int) -> int:
         """Elements ``tile`` takes in the local shard: its slice, padded to ``tile_align``."""
         return _ceil_div(self.tile_shard_numels[tile], self.tile_align) * self.tile_align
+
+    @property
+    def trained(self) -> bool:
+        """Whether the optimizer steps it: a float parameter that requires a gradient (at stage 0 in its own
+        storage, through ``param.grad``; at stages 1-3 through its fp32 master shard)."""
+        return self.requires_grad and self.dtype.is_floating_point
+
+    @property
+    def common_numel(self) -> int:
+        """Elements of the local state as every rank counts it: a broadcast parameter whole, as on its owner
+        (what a choice every rank must make alike, the RAM cache's, is sized by)."""
+        return self.shard_numel if self.partition == "allgather" else self.numel
+
+    # --- the bytes it holds and moves: the one byte model (zinf.plan, the RAM cache, the pools read it) -------
+
+    def state_bytes(self, grad_in_ram: bool = False, numel: int | None = None) -> dict[str, dict[str, int]]:
+        """Bytes it puts on each tier (:data:`TIERS`) by kind (:data:`KINDS`) after backward, before the step:
+        what ``zinf.memory_report`` counts for it then (its activations aside).  ``grad_in_ram``: an nvme
+        optimizer tier's gradient kept in RAM (option nvme_grad_ram_bytes); ``numel``: the local elements
+        counted (default this rank's; :attr:`common_numel` for a figure every rank shares)."""
+        memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
+        local = self.local_numel if numel is None else numel
+        full = self.numel * self.dtype.itemsize
+        if self.stage < 3:
+            memory["device"]["params"] += full  # the parameter keeps its own storage
+        if self.stage == 0:
+            if self.trained:
+                memory["device"]["grads"] += full
+                memory["device"]["optimizer"] += 2 * full  # torch's Adam: two moments in the parameter's dtype
+            return memory
+        if not self.shard_is_param:
+            memory[self.param_tier]["params"] += local * self.compute_dtype.itemsize
+        if local == 0 or not self.dtype.is_floating_point:
+            return memory
+        if not self.trained:
+            # A frozen parameter has no gradient nor moments, but keeps its fp32 master in memory where the shard
+            # is not one (its exact value, which a checkpoint saves); on NVMe only the master's own files do.
+            if self.opt_tier != "nvme" and not self.master_is_shard:
+                memory[_in_memory(self.opt_tier)]["optimizer"] += local * 4
+            return memory
+        local_fp32 = local * 4
+        if self.stage == 1:
+            memory["device"]["grads"] += full  # param.grad, reduced into the shard at the step
+        elif self.opt_tier == "nvme":
+            memory["cpu" if grad_in_ram else "nvme"]["grads"] += local_fp32
+        else:
+            memory[_in_memory(self.opt_tier)]["grads"] += local_fp32
+        if self.opt_tier == "nvme":
+            memory["nvme"]["optimizer"] += 2 * local_fp32 + (0 if self.params_in_master else local_fp32)
+        else:
+            memory[_in_memory(self.opt_tier)]["optimizer"] += 2 * local_fp32 + (0 if self.master_is_shard else local_fp32)
+        return memory
+
+    @property
+    def master_is_shard(self) -> bool:
+        """The fp32 master is the shard itself (same tier, both in memory, fp32): no separate copy."""
+        return self.param_tier == self.opt_tier != "nvme" and self.compute_dtype == torch.float32
+
+    def traffic(self, grad_in_ram: bool = False, recompute: bool = False,
+                numel: int | None = None) -> tuple[int, int, int]:
+        """(disk read, disk write, collective) bytes of one step on this rank (``numel`` as for
+        :meth:`state_bytes`); ``recompute``: activation checkpointing re-runs the forward (and its fetches)."""
+        trained = self.trained and self.stage > 0
+        local = self.local_numel if numel is None else numel
+        shard_bytes = local * self.compute_dtype.itemsize
+        local_fp32 = local * 4
+        read = write = 0
+        if self.param_tier == "nvme":
+            read += shard_bytes * (3 if recompute else 2)  # forward, backward (and the recompute's forward)
+            if trained and not self.params_in_master:
+                write += shard_bytes  # the stepped value written back
+        if trained and self.opt_tier == "nvme":
+            # Master and two moments; a step during backward takes the master the backward's fetch read
+            # (runtime/optim/fetched_masters.py) where the parameter is read from its master's files.
+            read += (2 if self.params_in_master and self.step_in_backward else 3) * local_fp32
+            write += 3 * local_fp32
+            if not grad_in_ram:
+                read += local_fp32
+                write += local_fp32
+        collective = 0
+        if self.world_size > 1:
+            gathered = self.gathered_numel * self.compute_dtype.itemsize  # a gather's output, a reduction's input
+            if self.stage == 3:
+                collective += gathered * (3 if recompute else 2)  # gathers: forward, backward (and the recompute)
+            elif self.stage > 0:
+                collective += gathered  # the stepped shards published to every rank
+            if trained:
+                collective += gathered  # the gradient's reduce-scatter
+            elif self.stage == 0 and self.requires_grad:
+                collective += 2 * self.numel * self.dtype.itemsize  # the gradient's all-reduce
+        return read, write, collective
+
+    def host_device_bytes(self, recompute: bool = False) -> int:
+        """Bytes copied between host memory and an accelerator per step on this rank: its shard fetched to the
+        device for forward and backward (and the recompute's forward) where it rests on the host (cpu or nvme
+        tier), its reduced gradient sent to the host where the optimizer steps there, and the stepped shard
+        sent back where the parameter rests on the device but its optimizer does not."""
+        shard_bytes = self.local_numel * self.compute_dtype.itemsize  # (at stages 1-2 the stepped slice)
+        moved = 0
+        if self.param_tier != "device":
+            moved += shard_bytes * (3 if recompute else 2)
+        if self.trained and self.opt_tier != "device":
+            moved += self.local_numel * self.compute_dtype.itemsize
+            if self.param_tier == "device":
+                moved += shard_bytes
+        return moved
 
     def swap_bytes(self, trained: bool) -> int:
         """Bytes of one copy of this rank's swap files for the parameter: the nvme-tier shard's own files
@@ -232,17 +348,4 @@ def plan_param(*, uid: int, shape: Sequence[int], dtype: torch.dtype, device: to
                      tile_shard_numels=tile_shard_numels, tile_local_ranges=tile_local_ranges,
                      local_ranges=local_ranges, shard_swap=shard_swap, state_groups=state_groups,
                      params_in_master=params_in_master, shard_is_param=shard_is_param,
-                     step_in_backward=step_in_backward)
-
-
-def plan_buckets(plans: Sequence[ParamPlan | None], limits: Sequence[int] | None = None,
-                 keys: Sequence[Hashable | None] | None = None) -> list[list[int]]:
-    """Bucket membership of a model's parameters, their plans in order (:func:`~.buckets.bucket_runs`, the one
-    rule; a layout or record reads as its plan).
-
-    None stands for a parameter not adopted.  ``limits`` default to each plan's ``bucket_bytes``, ``keys`` to
-    one key for all (the caller's further condition, e.g. the mesh).
-    """
-    limits = [plan.bucket_bytes if plan is not None else 0 for plan in plans] if limits is None else limits
-    keys = [0] * len(plans) if keys is None else keys
-    return bucket_runs(plans, limits, keys)
+                     step_in_backward=step_in_backward, requires_grad=requires_grad)

@@ -7,7 +7,7 @@ from typing import Iterable
 
 from .param_plan import ParamPlan
 from .records import GRAD_WRITES_IN_FLIGHT
-from .swap_layout import STATE_NAMES, SUB_GROUP_NUMEL, align
+from .swap_layout import ALIGNMENT, STATE_NAMES, SUB_GROUP_NUMEL, align
 
 # The early optimizer step (early_adam.py): sub-groups whose reads run ahead of the one being stepped.
 READ_AHEAD = 2
@@ -15,6 +15,9 @@ READ_AHEAD = 2
 # first compile, shared by the node's ranks.  An eighth leaves room for the activations, the pinned pool
 # and the optimizer's streaming buffers of a model much larger than RAM.
 AUTO_GRAD_RAM_SHARE = 8
+# The store's pool is never smaller (unless the model's every nvme slice takes less): the schedule's prefetch
+# (prefetch_nc blocks ahead) and a transfer's slack fit in it.
+POOL_FLOOR = 64 << 20
 
 
 def _largest_group(plans) -> int:
@@ -40,12 +43,16 @@ def parameter_pool_bytes(largest_fp32_bytes: int, plans=()) -> int:
     """The store's pool (option ``pinned_bytes="auto"``), given the largest fp32 slice it will stage and the
     ``plans`` of the parameters it serves: two such slices (a fetch in flight while the previous one is
     copied out), a third up to one sub-group's size (the prefetch reading further ahead; no more for a huge
-    one, an embedding of gigabytes), and the gradient writes' reserve; never under 64 MiB.
+    one, an embedding of gigabytes), and the gradient writes' reserve; never under :data:`POOL_FLOOR` (room
+    for the schedule's prefetch of several blocks), unless every nvme-tier slice of ``plans`` at once takes
+    less: then that, sized to the model (a small model on NVMe holds no more pinned memory than its states).
 
     The optimizer's step after backward takes its buffers from a pool of its own
     (:func:`optimizer_pool_bytes`), so this one is not sized for them."""
     fetches = 2 * align(largest_fp32_bytes) + align(min(largest_fp32_bytes, SUB_GROUP_NUMEL * 4))
-    return max(64 << 20, fetches + grad_write_reserve_bytes(plans))
+    reserve = grad_write_reserve_bytes(plans)
+    everything = sum(align(plan.local_numel * 4) for plan in plans if "nvme" in (plan.param_tier, plan.opt_tier))
+    return max(min(POOL_FLOOR, everything + reserve), fetches + reserve, ALIGNMENT)  # (one block: planned nothing)
 
 
 def optimizer_pool_bytes(plans: Iterable[ParamPlan]) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import queue
 import threading
 import weakref
@@ -36,8 +35,8 @@ from .tensor_parallel import local_of
 from .resting import guard_aliases, rest
 from .ledger import Ledger, ZinfStoreError
 from .model_group import ModelGroup
-from .param_plan import OPTIMIZER_STATES, choose_owner, plan_param
-from .records import (DEFAULT_BUCKET_BYTES, DTYPES, ParamRecord, local_slice, move_to_empty_storage, nbytes_of,
+from .param_plan import OPTIMIZER_STATES, ParamPlan
+from .records import (DTYPES, ParamRecord, local_slice, move_to_empty_storage, nbytes_of,
                       padded_view, tier_memory)
 from .store_accounting import StoreAccounting
 from .store_background import BackgroundSteps
@@ -87,7 +86,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         # on lookup, so a new tensor at a dead one's address is never taken for it.
         self._by_param: dict[int, _ParamRef] = {}
         self._dropped: queue.SimpleQueue = queue.SimpleQueue()  # uids whose parameter was collected
-        self._uids = itertools.count()
+        self._next_uid = 0  # the next parameter's uid (see reserve_uids)
         self._lock = threading.RLock()
         self._owned_bytes_by_rank: dict[int, int] = {}
         self._grad_ram_reserved = 0  # bytes of nvme-tier gradients adopted to stay in RAM (nvme_grad_ram_bytes)
@@ -131,8 +130,9 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         return list(self.offload.engines_by_path.values())
 
     def plan_shards(self, plans) -> None:
-        """Before adoption: the plans of the parameters adopted next (they size the pool)."""
-        self.offload.plan_shards(plans)
+        """Before adoption: the plans of the parameters adopted next (they size the pool, growing one made
+        for fewer; see :meth:`OffloadResources.plan_shards`)."""
+        self.offload.plan_shards(plans, self._records.values())
 
     def pinned_pool(self, at_least: int) -> PinnedPool:
         """The process's pinned pool, made on first need (see :meth:`OffloadResources.pinned_pool`)."""
@@ -171,78 +171,70 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
 
     # --- adoption -------------------------------------------------------------
 
-    def adopt(self, param: torch.nn.Parameter, name: str, *, stage: int, partition: str, param_dtype: str,
-              param_tier: str = "device", opt_tier: str = "device",
-              tile_rows: tuple[int, ...] | None = None, group: ModelGroup | None = None,
-              read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_ram_bytes: int | str = 0,
-              mesh: MeshComm | None = None, step_in_backward: bool | str = False) -> ParamRecord:
-        """Shard ``param`` (once; a tied parameter is the same tensor) and return its record.
+    def reserve_uids(self, count: int) -> int:
+        """The first of ``count`` new uids for parameters planned now and adopted next (their swap keys' names)."""
+        first = self._next_uid
+        self._next_uid += count
+        return first
 
-        ``param_tier`` / ``opt_tier``: where the shard, and the fp32 master with
-        the optimizer state, rest: "device", "cpu" or "nvme".  ``tile_rows``:
-        rows per tile of a parameter the ``tile`` pass splits (laid out
-        tile-major, see :class:`ParamRecord`); a parameter adopted before keeps
-        its first layout (read it back from the record's ``tile_rows``).
-        ``group``: the model it belongs to if no :meth:`claim` put it in one
-        before (default: a new group of its own).
-        ``read_local``: where this rank's slice comes from instead of the
-        parameter's own values (``materialize`` from a weights file): called
-        with the new record, it returns the local slice (see
-        :meth:`ParamRecord.owned_ranges`) in ``record.holding_dtype``; the
-        parameter's memory is never read, and nothing is broadcast.
-        ``grad_ram_bytes`` (nvme optimizer tier): the process's budget of
-        gradient bytes kept in CPU memory instead of swap files, or "auto"
-        (:meth:`_auto_grad_ram_bytes`); parameters take it in adoption order
-        while it lasts.  ``mesh``: the ranks to shard
-        over (default: every rank of the default group; see runtime/comm.py).
-        ``step_in_backward``: the option overlap_optimizer, True, False or
-        "auto" (it applies where :attr:`ParamRecord.step_in_backward` says).
+    def owned_numel_by_rank(self) -> dict[int, int]:
+        """Elements each rank owns whole so far (``partition="broadcast"``): where a new model's plan puts its
+        parameters' owners (a copy)."""
+        return dict(self._owned_bytes_by_rank)
+
+    def pool_sizing_plans(self) -> list:
+        """The plans the parameters' pinned pool will be sized from when it is made (every adopted record's and
+        those planned since): what a new model's plan predicts it by."""
+        return self.offload.sizing_plans(self._records.values())
+
+    def adopt(self, param: torch.nn.Parameter, name: str, plan: ParamPlan, *, group: ModelGroup | None = None,
+              read_local: "Callable[[ParamRecord], torch.Tensor] | None" = None,
+              mesh: MeshComm | None = None) -> ParamRecord:
+        """Shard ``param`` (once; a tied parameter is the same tensor) as ``plan`` lays it out, and return its
+        record.
+
+        ``plan``: its model's plan of it (zinf_compiler/model_plan.py: tiers, layout, owner, uid from
+        :meth:`reserve_uids`, whether its gradient rests in RAM, which the store then reserves of the process's
+        nvme_grad_ram_bytes); a parameter adopted before keeps its record.  ``group``: the model it belongs to
+        if no :meth:`claim` put it in one before (default: a new group of its own).  ``read_local``: where this
+        rank's slice comes from instead of the parameter's own values (``materialize`` from a weights file):
+        called with the new record, it returns the local slice (see :meth:`ParamRecord.owned_ranges`) in
+        ``record.holding_dtype``; the parameter's memory is never read, and nothing is broadcast.  ``mesh``:
+        the ranks to shard over (default: every rank of the default group; see runtime/comm.py), whose size
+        and rank the plan was made for.
 
         The store holds the parameter only weakly: when it is garbage-collected
         (its model and optimizer dropped), its shards, gradients, swap files and
         accounted bytes go with it (:meth:`_forget`).
         """
         mesh = mesh or self.comm.mesh()
-        requires_grad = param.requires_grad  # (a DTensor's: its local tensor never requires grad)
         param = local_of(param)
-        settings = (stage, partition, DTYPES[param_dtype], param_tier, opt_tier, mesh.describe())
         with self._lock:
             record = self.lookup(param)
             self.collect()
             if record is not None:
-                adopted = (record.stage, record.partition, record.compute_dtype, record.param_tier, record.opt_tier,
-                           record.mesh.describe())
-                if adopted != settings or record.mesh is not mesh:
-                    raise ZinfStoreError(
-                        f"parameter {name} was adopted with (stage, partition, param_dtype, param tier, optimizer "
-                        f"tier, mesh) = {adopted}, now asked for {settings}; every compiled graph of a model must "
-                        f"use the same stage, partition, param_dtype, offload options and mesh"
-                    )
                 return record
             if not param.is_contiguous() or param.untyped_storage().nbytes() != param.numel() * param.element_size():
                 raise ZinfStoreError(
                     f"parameter {name} shares its storage with other tensors (or is not contiguous); "
                     f"zinf can only shard parameters that own their memory"
                 )
-            if tile_rows is not None and param.is_floating_point() and param.dim() < 2:
-                raise ZinfStoreError(f"tile_rows {tuple(tile_rows)} do not split the {tuple(param.shape)} "
+            if plan.tile_rows is not None and param.is_floating_point() and param.dim() < 2:
+                raise ZinfStoreError(f"tile_rows {tuple(plan.tile_rows)} do not split the {tuple(param.shape)} "
                                      f"parameter's rows (a tiled parameter has two dimensions or more)")
+            world_size, rank = mesh.shard.world_size, mesh.shard.rank
+            if (tuple(plan.shape), plan.dtype, plan.world_size, plan.rank) != (tuple(param.shape), param.dtype,
+                                                                                world_size, rank):
+                raise ZinfStoreError(
+                    f"parameter {name} ({tuple(param.shape)} {param.dtype}, rank {rank} of {world_size}) was "
+                    f"planned as {tuple(plan.shape)} {plan.dtype}, rank {plan.rank} of {plan.world_size}")
+            if plan.shard_is_param and read_local is not None:
+                raise ZinfStoreError(f"parameter {name}: a plan whose shard is the parameter's own storage cannot "
+                                     f"read its values from a file (plan it with from_file)")
             group = self.group_of(param) or group or ModelGroup()  # a claim made before wins
             group.check_mesh(mesh, name)
-            world_size, rank = mesh.shard.world_size, mesh.shard.rank
-            owner = None
-            if partition == "broadcast":
-                owner = choose_owner(self._owned_bytes_by_rank, world_size)
-            nvme_copies = self.offload.settings.get("nvme_copies", 2)  # (what its swap engine is made with)
-            plan = plan_param(uid=next(self._uids), shape=param.shape, dtype=param.dtype, device=param.device,
-                              stage=stage, partition=partition, param_dtype=DTYPES[param_dtype], param_tier=param_tier,
-                              opt_tier=opt_tier, world_size=world_size, rank=rank, owner=owner, tile_rows=tile_rows,
-                              bucket_bytes=bucket_bytes, requires_grad=requires_grad,
-                              from_file=read_local is not None, step_in_backward=step_in_backward,
-                              nvme_copies=nvme_copies)
-            if owner is not None:
-                self._owned_bytes_by_rank[owner] = self._owned_bytes_by_rank.get(owner, 0) + param.numel()
+            if plan.owner is not None:
+                self._owned_bytes_by_rank[plan.owner] = self._owned_bytes_by_rank.get(plan.owner, 0) + plan.numel
             uid = plan.uid
             record = ParamRecord(name=name, plan=plan, param_ref=weakref.ref(param),
                                  shard=torch.empty(0, dtype=plan.compute_dtype), param_id=id(param),
@@ -260,14 +252,10 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
                     mesh.everyone.broadcast(full, src=0, what=f"broadcast of {name} from rank 0 (adoption)",
                                         timeout=record.group.collective_timeout).wait()
                 local = local_slice(full.reshape(-1), plan)
-            grad_bytes = record.local_numel * 4
-            if opt_tier == "nvme" and grad_ram_bytes == "auto":
-                grad_ram_bytes = self._auto_grad_ram_bytes()
-            trained_float = plan.dtype.is_floating_point
-            if opt_tier == "nvme" and trained_float and self._grad_ram_reserved + grad_bytes <= grad_ram_bytes:
+            if plan.grad_in_ram:
                 record.grad_in_ram = True
-                self._grad_ram_reserved += grad_bytes
-            if "nvme" in (param_tier, opt_tier):
+                self._grad_ram_reserved += record.local_numel * 4
+            if "nvme" in (plan.param_tier, plan.opt_tier):
                 record.swap = self.offload.engine()
             self._records[uid] = record
             record.group.join(record)

@@ -67,10 +67,28 @@ class OffloadResources:
                 f"was made with nvme_copies={engine.copies}; use one value per nvme_path")
         return engine
 
-    def plan_shards(self, plans: Iterable) -> None:
+    def plan_shards(self, plans: Iterable, records: Iterable = ()) -> None:
         """Before adoption: the plans of the parameters adopted next (their slices size the pool, which the
-        first adopted one may make)."""
+        first adopted one may make).  A pool made for an earlier part of the model (a graph compiled before
+        the next one was planned) that these do not fit grows now, while no buffer is in use (``pinned_bytes
+        ="auto"``; else a transfer too large for it raises, naming pinned_bytes)."""
         self.planned.extend(plans)
+        pool = self.pinned
+        if pool is None:
+            return  # (kept until the pool is made, to size it)
+        sizing, self.planned = self.sizing_plans(records), []
+        if self.settings.get("pinned_bytes", "auto") != "auto" or pool.in_use_bytes:
+            return
+        wanted = parameter_pool_bytes(max([plan.local_numel * 4 for plan in sizing] + [0]), sizing)
+        if wanted > pool.capacity_bytes:
+            pool.close()
+            self.pinned = self.pinned_memory.quota("parameters", wanted)
+
+    def sizing_plans(self, records: Iterable) -> list:
+        """The plans the pool is sized from: ``records``' (adopted) and those planned since, each once."""
+        plans = [record.plan for record in records]
+        adopted = {plan.uid for plan in plans}
+        return plans + [plan for plan in self.planned if plan.uid not in adopted]
 
     def pinned_pool(self, at_least: int, records: Iterable) -> PinnedPool:
         """The pinned pool, made on first need (``pinned_bytes``, or sized from ``records``' shards and
@@ -78,7 +96,7 @@ class OffloadResources:
         if self.pinned is None:
             wanted = self.settings.get("pinned_bytes", "auto")
             if wanted == "auto":
-                plans = [r.plan for r in records] + self.planned
+                plans = self.sizing_plans(records)
                 wanted = parameter_pool_bytes(max([plan.local_numel * 4 for plan in plans] + [at_least]), plans)
             self.pinned = self.pinned_memory.quota("parameters", int(wanted))
             self.planned = []  # (read only to size it)

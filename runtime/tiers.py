@@ -13,6 +13,7 @@ import torch
 
 DEVICE, CPU, NVME = "device", "cpu", "nvme"
 TIERS = (DEVICE, CPU, NVME)  # where state rests, in memory_report's order
+KINDS = ("params", "grads", "optimizer", "activations")  # what memory_report counts on each tier
 
 
 def store_tier(offload: str) -> str:

@@ -14,14 +14,14 @@ import gc
 from typing import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ram_cache
+from .model_plan import PlanBudgets, PlannedParam, plan_model
 from .options import ZinfOptions, budget_bytes
 from .runtime.aio import validate_folder
 from .runtime.host_memory import available_bytes, ranks_on_node
-from .runtime.param_plan import plan_param
-from .runtime.store import DTYPES
+from .runtime.param_plan import ParamPlan
+from .runtime.store import DTYPES, ZinfStoreError
 from .runtime.tiers import store_tier
 
 
@@ -30,120 +30,78 @@ def model_mesh(options: ZinfOptions, comm):
     return options.mesh or comm.mesh()
 
 
-# (param_tier, opt_tier) that plan_offload's RAM cache (option host_memory) chose for a parameter not yet adopted.
-_CACHED_TIERS = WeakIdKeyDictionary()
+def plan_offload(store, params: list[tuple[str, torch.Tensor, tuple[int, ...] | None]], options: ZinfOptions,
+                 device: torch.device | None = None, from_file=frozenset()) -> dict[int, ParamPlan]:
+    """Before ``params`` (each ``(name, parameter, tile rows)``) are adopted: their model's plan
+    (:func:`~.model_plan.plan_model`, after what ``store`` already holds), the swap and pinned pool configured
+    for it, and nvme_path checked to have room for its swap files.  Returns ``id(parameter) -> its plan`` for
+    those not adopted yet (a tied parameter once), to adopt them by (:func:`adopt`).
 
-
-def planned_as(param: torch.Tensor, planned: torch.Tensor) -> None:
-    """``param`` is adopted as ``planned`` was planned by :func:`plan_offload` (``zinf.materialize`` plans the
-    meta-device parameters and adopts the real ones built from them)."""
-    if planned in _CACHED_TIERS:
-        _CACHED_TIERS[param] = _CACHED_TIERS[planned]
-
-
-def _store_settings(options: ZinfOptions) -> dict:
-    """What ``options`` decide of a parameter's plan and adoption, in ``ParamStore.adopt``'s words."""
-    return dict(stage=options.stage, partition=options.partition, param_dtype=options.param_dtype,
-                param_tier=store_tier(options.offload_param), opt_tier=store_tier(options.offload_optimizer),
-                bucket_bytes=options.bucket_bytes, step_in_backward=options.overlap_optimizer)
-
-
-def plan_for(param: torch.Tensor, tile_rows: tuple[int, ...] | None, options: ZinfOptions, world_size: int,
-             rank: int, owner: int | None = None, uid: int = 0, device: torch.device | None = None, **tiers: str):
-    """The plan ``param`` (real or on the meta device: only its shape, dtype and device are read) gets under
-    ``options`` on ``rank`` of ``world_size`` (see runtime/param_plan.py), as adoption would make it;
-    ``device``: the compute device if not ``param``'s (a planned meta-device parameter's);
-    ``tiers``: ``param_tier`` / ``opt_tier`` other than the options' (the RAM cache's choice)."""
-    settings = {**_store_settings(options), **tiers}
-    settings["param_dtype"] = DTYPES[options.param_dtype]
-    device = param.device if device is None else device
-    return plan_param(uid=uid, shape=param.shape, dtype=param.dtype, device=device, world_size=world_size,
-                      rank=rank, owner=owner, tile_rows=tile_rows, requires_grad=param.requires_grad,
-                      nvme_copies=options.nvme_copies, **settings)
-
-
-def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, tile_rows: tuple[int, ...] | None,
-          group=None, read_local: Callable | None = None):
-    """Shard ``param`` into ``store`` with the tiers, dtype and layout ``options`` name; returns its record.
-
-    ``tile_rows``: the tile plan (:func:`zinf_compiler.tile_plan.tile_rows_for`), None for an untiled
-    parameter; ``group`` and ``read_local`` as for ``ParamStore.adopt``.  With option host_memory, the tiers
-    are the RAM cache's choice (:func:`plan_offload`, which must have planned ``param`` first).
-    """
-    settings = _store_settings(options)
-    if _cache_on(options):
-        settings.update(_cached_tiers(store, param, settings))
-    return store.adopt(param, name, tile_rows=tile_rows, group=group, read_local=read_local,
-                       grad_ram_bytes=options.nvme_grad_ram_bytes, mesh=mesh, **settings)
-
-
-def _cached_tiers(store, param: torch.Tensor, settings: dict) -> dict:
-    """The tiers the RAM cache gave ``param``: chosen by :func:`plan_offload`, or, adopted before (by another
-    graph), its record's where the cache moved an nvme tier to the cpu."""
-    record = store.lookup(param)
-    if record is None:
-        param_tier, opt_tier = _CACHED_TIERS.get(param, (settings["param_tier"], settings["opt_tier"]))
-    else:
-        param_tier, opt_tier = (
-            held if (held, asked) == ("cpu", "nvme") else asked
-            for held, asked in ((record.param_tier, settings["param_tier"]), (record.opt_tier, settings["opt_tier"])))
-    return dict(param_tier=param_tier, opt_tier=opt_tier)
-
-
-def plan_offload(store, params: list[tuple[torch.Tensor, tuple[int, ...] | None]], options: ZinfOptions) -> None:
-    """Before ``params`` (each with its tile rows) are adopted: configure the swap and pinned pool, check
-    nvme_path has room for their swap files (sized from their plans, as the store will lay them out); with
-    option host_memory, choose whose states the RAM cache keeps on the cpu tier (:mod:`.ram_cache`)."""
+    ``device``: the compute device if not the parameters' own (``zinf.materialize`` plans meta-device
+    parameters); ``from_file``: ids of those whose values a weights file gives.  With option host_memory the
+    plans hold the RAM cache's choice of tiers (:mod:`.ram_cache`)."""
     store.configure_offload(options.nvme_path, options.pinned_bytes, options.aio_block_size,
                             options.aio_queue_depth, options.aio_threads, options.nvme_copies)
-    if "nvme" not in (options.offload_param, options.offload_optimizer):
-        return
+    new = {id(param): (name, param, tile_rows) for name, param, tile_rows in params if store.lookup(param) is None}
+    if not new:
+        return {}
     shard = model_mesh(options, store.comm).shard
-    new = [(param, tile_rows) for param, tile_rows in params if store.lookup(param) is None]
-    new = list({id(param): (param, tile_rows) for param, tile_rows in new}.values())  # (a tied one once)
-
-    def plan_of(param, tile_rows, **tiers):
-        # A broadcast parameter's owner is chosen at adoption: count it as this rank's, the most it can hold.
-        return plan_for(param, tile_rows, options, shard.world_size, shard.rank, owner=shard.rank, **tiers)
-
-    plans = [plan_of(param, tile_rows) for param, tile_rows in new]
-    store.plan_shards(plans)
-    if _cache_on(options):
-        plans = _choose_cached(store, new, plans, options, plan_of)
-    needed = sum(options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
-                 for (param, _), plan in zip(new, plans))
-    validate_folder(options.nvme_path, needed)
+    planned = [PlannedParam.of(name, param, tile_rows, id(param) in from_file) for name, param, tile_rows in new.values()]
+    device = next(iter(new.values()))[1].device if device is None else torch.device(device)
+    model_plan = plan_model(planned, options, world_size=shard.world_size, rank=shard.rank, device=device,
+                            budgets=_budgets(store, options), first_uid=store.reserve_uids(len(planned)))
+    if "nvme" in (options.offload_param, options.offload_optimizer):
+        store.plan_shards(model_plan.sizing_plans)  # (they size the pinned pool when it is made, or grow it)
+        validate_folder(options.nvme_path, model_plan.swap_space)
+    return dict(zip(new, model_plan.plans))
 
 
-def _cache_on(options: ZinfOptions) -> bool:
-    """Whether the RAM cache chooses tiers (options host_memory or ram_cache_bytes; parse_options checks that
-    an offload is 'nvme')."""
-    return options.host_memory is not None or options.ram_cache_bytes is not None
-
-
-def _choose_cached(store, params: list, plans: list, options: ZinfOptions, plan_of) -> list:
-    """Option host_memory: pick whose states of ``params`` (with their all-NVMe ``plans``) rest on the cpu tier
-    (:func:`.ram_cache.choose_cached`, the budget as :mod:`.ram_cache` says), note the tiers for :func:`adopt`,
-    and return the plans with them."""
-    requires_grad = [param.requires_grad for param, _ in params]
-    # A dropped model's parameters may wait in reference cycles: collected first, so that its records neither
-    # hold budget they no longer use nor leave ranks with different garbage choosing differently.
-    gc.collect()
-    store.collect()
-    pinned = store.pinned.capacity_bytes if store.pinned is not None else 0
-    # No pinned pool while nothing rests on NVMe; else it is made now (sized from every plan so far, as it
-    # would be at the first swap) and its bytes come out of the budget.
-    records = list(store.records())
-    states_bytes = (None if options.ram_cache_bytes is None else
-                    options.ram_cache_bytes - ram_cache.states_held_by_records(records))
+def _budgets(store, options: ZinfOptions) -> PlanBudgets:
+    """What ``store``'s process has spent that a new model's plan spends from."""
+    cache = options.host_memory is not None or options.ram_cache_bytes is not None
+    if cache:
+        # A dropped model's parameters may wait in reference cycles: collected first, so that its records neither
+        # hold budget they no longer use nor leave ranks with different garbage choosing differently.
+        gc.collect()
+        store.collect()
+    records = store.records()
     host_memory = (None if options.host_memory is None else
                    budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
-    tiers_of = ram_cache.choose_tiers(plans, requires_grad, host_memory, ram_cache.held_by_records(records), pinned,
-                                      lambda: store.pinned_pool(0).capacity_bytes, states_bytes=states_bytes,
-                                      grad_ram_bytes=store.grad_ram_left(options.nvme_grad_ram_bytes))
-    cached_plans = []
-    for (param, tile_rows), plan, (param_tier, opt_tier) in zip(params, plans, tiers_of):
-        _CACHED_TIERS[param] = (param_tier, opt_tier)
-        unchanged = (param_tier, opt_tier) == (plan.param_tier, plan.opt_tier)
-        cached_plans.append(plan if unchanged else plan_of(param, tile_rows, param_tier=param_tier, opt_tier=opt_tier))
-    return cached_plans
+    return PlanBudgets(grad_ram_left=store.grad_ram_left(options.nvme_grad_ram_bytes),
+                       owned_numel_by_rank=store.owned_numel_by_rank(), host_memory=host_memory,
+                       cache_held_bytes=ram_cache.held_by_records(records) if cache else 0,
+                       cache_states_bytes=ram_cache.states_held_by_records(records) if cache else 0,
+                       pinned_capacity=store.pinned.capacity_bytes if store.pinned is not None else None,
+                       pool_sizing_plans=tuple(store.pool_sizing_plans()))
+
+
+def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, plan: ParamPlan | None,
+          group=None, read_local: Callable | None = None):
+    """Shard ``param`` into ``store`` by ``plan`` (its model's, :func:`plan_offload`); returns its record.
+
+    A parameter adopted before (by another graph of its model) keeps its record, once its options are
+    checked to be the ones it was adopted with.  ``group`` and ``read_local`` as for ``ParamStore.adopt``.
+    """
+    record = store.lookup(param)
+    if record is not None:
+        _check_adopted_alike(record, name, options, mesh)
+        return record
+    if plan is None:
+        raise ZinfStoreError(f"parameter {name} was not planned before its adoption (adoption.plan_offload)")
+    return store.adopt(param, name, plan, group=group, read_local=read_local, mesh=mesh)
+
+
+def _check_adopted_alike(record, name: str, options: ZinfOptions, mesh) -> None:
+    """Refuse a graph whose options differ from those ``record``'s parameter was adopted with (the RAM cache
+    moving an nvme tier to the cpu tier is not a difference: it was this model's plan)."""
+    asked_tiers = [held if (held, asked) == ("cpu", "nvme") else asked
+                   for held, asked in ((record.param_tier, store_tier(options.offload_param)),
+                                       (record.opt_tier, store_tier(options.offload_optimizer)))]
+    asked = (options.stage, options.partition, DTYPES[options.param_dtype], *asked_tiers, mesh.describe())
+    adopted = (record.stage, record.partition, record.compute_dtype, record.param_tier, record.opt_tier,
+               record.mesh.describe())
+    if adopted != asked or record.mesh is not mesh:
+        raise ZinfStoreError(
+            f"parameter {name} was adopted with (stage, partition, param_dtype, param tier, optimizer "
+            f"tier, mesh) = {adopted}, now asked for {asked}; every compiled graph of a model must "
+            f"use the same stage, partition, param_dtype, offload options and mesh")

@@ -14,7 +14,7 @@ import torch
 from zinf_compiler.runtime.process import Runtime
 from zinf_compiler.runtime.store import ParamStore
 from zinf_compiler.runtime.tensor_parallel import local_of
-from zinf_compiler.runtime.tiers import TIERS
+from zinf_compiler.runtime.tiers import KINDS, TIERS
 from zinf_compiler import tensor_parallel
 from zinf_compiler.module_paths import unwrap  # noqa: F401  (zinf's callers' name for it)
 
@@ -22,7 +22,6 @@ from zinf_compiler.module_paths import unwrap  # noqa: F401  (zinf's callers' na
 # (this file, backend.py, optim.py), which hands its parts to everything else.
 RUNTIME = Runtime()
 
-KINDS = ("params", "grads", "optimizer", "activations")
 
 
 def store_of(model: torch.nn.Module) -> ParamStore:

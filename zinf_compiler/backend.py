@@ -102,14 +102,14 @@ def compile_captured(gm: torch.fx.GraphModule, example_inputs: list[Any], option
 
         # Which weights the tile pass splits: known before adoption, which lays them out tile by tile.
         tile_plans = tile_pass.plan_tiles(captured, gm, options, _device_budget(options, captured))
-        plan_offload(RUNTIME.store, [(param, tile_plans.get(position))
-                                     for position, param in captured.param_tensors.items()], options)
+        plans = plan_offload(RUNTIME.store, [(captured.inputs[position].name, param, tile_plans.get(position))
+                                             for position, param in captured.param_tensors.items()], options)
         # This graph's parameters are one model's (the group an optimizer, a load or an earlier graph claimed
         # them for, else a new one), under this compile's device budget and timeout.
         RUNTIME.store.claim(captured.param_tensors.values(), device_memory_limit=options.device_memory_limit,
                             collective_timeout=options.collective_timeout)
         for position, param in captured.param_tensors.items():
-            record = _adopt(captured, position, param, tile_plans.get(position))
+            record = _adopt(captured, position, param, plans.get(id(param)))
             if record.tile_rows is not None:
                 captured.tile_rows[position] = record.tile_rows
             captured.layouts[position] = layout_of(record)
@@ -207,9 +207,10 @@ def _agree_before_backward(outputs, captured: CapturedGraph) -> None:
 _AGREEMENT_KEY = "zinf_rank_agreement"
 
 
-def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, tile_rows):
-    """Adopt a graph parameter into the model group it was claimed for (see ParamStore.claim)."""
-    return adopt(RUNTIME.store, param, captured.inputs[position].name, captured.options, captured.mesh, tile_rows)
+def _adopt(captured: CapturedGraph, position: int, param: torch.Tensor, plan):
+    """Adopt a graph parameter by its model's ``plan`` into the model group it was claimed for (see
+    ParamStore.claim); one adopted before keeps its record."""
+    return adopt(RUNTIME.store, param, captured.inputs[position].name, captured.options, captured.mesh, plan)
 
 
 def _check_materialized(captured: CapturedGraph) -> None:
@@ -322,8 +323,8 @@ def _adopt_at_run_time(captured: CapturedGraph, slot: int, param: torch.Tensor):
     if options.stage == 3 and param.untyped_storage().nbytes() < param.numel() * param.element_size():
         raise ZinfStoreError(f"zinf: parameter {name} holds no memory and zinf has no record of it; "
                              f"was it sharded by another process or a dropped model?")
-    plan_offload(RUNTIME.store, [(param, captured.tile_rows.get(slot))], options)
-    record = _adopt(captured, slot, param, captured.tile_rows.get(slot))
+    plans = plan_offload(RUNTIME.store, [(name, param, captured.tile_rows.get(slot))], options)
+    record = _adopt(captured, slot, param, plans.get(id(param)))
     if record.tile_rows != captured.tile_rows.get(slot):
         raise ZinfStoreError(
             f"zinf graph {captured.graph_id}: parameter {name} was laid out in row tiles {record.tile_rows}, "

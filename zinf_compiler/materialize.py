@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .adoption import adopt, model_mesh, plan_offload, planned_as
+from .adoption import adopt, model_mesh, plan_offload
 from .blueprint import default_device
 from .module_paths import names_by_tensor
 from .options import parse_options
@@ -87,7 +87,10 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
         _check_weights(files, names_by_id, meta, model, weights)
     reader = RangeReader()
     mesh = model_mesh(parsed, store.comm)
-    plan_offload(store, [(p, _tile_rows(name, p, parsed, mesh)) for name, p in meta], parsed)
+    from_file = {id(p) for _, p in meta if _stored(files, names_by_id, p) is not None}
+    # The model's plan, made from the meta-device parameters: each real one is adopted by its meta one's plan.
+    plans = plan_offload(store, [(name, p, _tile_rows(name, p, parsed, mesh)) for name, p in meta], parsed,
+                         device=device, from_file=from_file)
     # One model group for the model: its parameters built here, and any built outside the meta device
     # (which torch.compile adopts later, into this group).
     group = store.claim([p for _, p in named if not p.is_meta], device_memory_limit=parsed.device_memory_limit,
@@ -112,7 +115,6 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
             real = real_by_meta.get(id(param))
             if real is None:
                 real = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                planned_as(real, param)  # (the RAM cache's choice for it)
                 real_by_meta[id(param)] = real
                 stored = _stored(files, names_by_id, param)
                 if stored is not None:
@@ -120,7 +122,7 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
                     stored_by_real[id(real)] = stored
             module._parameters[key] = real
             if last_holder[id(param)] == index:
-                ready.append((name_by_id[id(param)], real))
+                ready.append((name_by_id[id(param)], real, plans[id(param)]))
         meta_buffers = [key for key, b in module._buffers.items() if b is not None and b.is_meta]
         buffers_from_file = []
         for key in meta_buffers:
@@ -145,13 +147,12 @@ def materialize(store, model: torch.nn.Module, options: Mapping[str, Any] | None
         with torch.no_grad():
             for buffer, stored in buffers_from_file:
                 buffer.copy_(stored.read(reader, 0, stored.numel).view(buffer.shape))
-        for name, real in ready:
+        for name, real, plan in ready:
             stored = stored_by_real.get(id(real))
             read_local = None
             if stored is not None:
                 read_local = functools.partial(_read_local, stored, reader=reader)
-            record = adopt(store, real, name, parsed, mesh, _tile_rows(name, real, parsed, mesh), group=group,
-                           read_local=read_local)
+            record = adopt(store, real, name, parsed, mesh, plan, group=group, read_local=read_local)
             store.release_full_storage([record])
             done += real.numel()
         if ready:

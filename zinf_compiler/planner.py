@@ -3,8 +3,9 @@
 
 Nothing is allocated: the parameters are read for their shapes and dtypes
 only (a model built under ``torch.device("meta")`` is fine), each gets the
-plan adoption would give it (:func:`~zinf_compiler.adoption.plan_for`, the
-same pure function the store lays parameters out by), and the example inputs,
+plan adoption would give it (:func:`~zinf_compiler.model_plan.plan_model`, the
+same pure function the store's parameters are laid out by, which also sums
+their bytes), and the example inputs,
 if given, run forward and backward once on fake tensors to count the FLOPs,
 the bytes the other ops move and the bytes autograd saves for backward.
 
@@ -44,17 +45,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .adoption import plan_for
 from .blueprint import Blueprint, blueprint
+from .model_plan import PlanBudgets, PlannedParam, plan_model
 from .options import ZinfOptions, budget_bytes, parse_options
-from .ram_cache import choose_tiers
-from .runtime.param_plan import ParamPlan, choose_owner
-from .runtime.pool_sizes import auto_grad_ram_bytes, early_step_pool_bytes, optimizer_pool_bytes, parameter_pool_bytes
 from .runtime.host_memory import available_bytes, ranks_on_node
+from .runtime.pool_sizes import auto_grad_ram_bytes
+from .runtime.records import DTYPES
 from .tile_plan import tile_rows_for
-
-TIERS = ("device", "cpu", "nvme")
-KINDS = ("params", "grads", "optimizer", "activations")
 # What compiling and running a model's graphs keeps in RSS beyond its tensors (Dynamo, AOTAutograd and
 # Inductor's state, the generated code, allocator slack): measured 89-157 MiB for the benchmark's GPT and
 # Llama (4 layers, width 512) at world size 1 (benchmarks/plan_accuracy.py, 2026-11-26).
@@ -135,70 +132,6 @@ class Prediction:
         return max(running, process_bytes + self.built_bytes + sum(self.pinned.values()) + COMPILE_BYTES)
 
 
-def _state_bytes(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool) -> dict[str, dict[str, int]]:
-    """The bytes one parameter puts on each tier, by kind, after backward (memory_report's rules)."""
-    memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
-    full = param.numel() * param.element_size()
-    trained = param.requires_grad and param.dtype.is_floating_point
-    mem = {"device": "device", "cpu": "cpu", "nvme": "cpu"}  # where a tier's tensors live in memory
-    if plan.stage < 3:
-        memory["device"]["params"] += full  # the parameter keeps its own storage
-    if plan.stage == 0:
-        if trained:
-            memory["device"]["grads"] += full
-            memory["device"]["optimizer"] += 2 * full  # torch's Adam: two moments in the parameter's dtype
-        return memory
-    if not plan.shard_is_param:
-        memory[plan.param_tier]["params"] += plan.local_numel * plan.compute_dtype.itemsize
-    if not trained or plan.local_numel == 0:
-        return memory
-    local_fp32 = plan.local_numel * 4
-    if plan.stage == 1:
-        memory["device"]["grads"] += full  # param.grad, reduced into the shard at the step
-    elif plan.opt_tier == "nvme":
-        memory["cpu" if grad_in_ram else "nvme"]["grads"] += local_fp32
-    else:
-        memory[mem[plan.opt_tier]]["grads"] += local_fp32
-    if plan.opt_tier == "nvme":
-        memory["nvme"]["optimizer"] += 2 * local_fp32 + (0 if plan.params_in_master else local_fp32)
-    else:
-        master_is_shard = plan.param_tier == plan.opt_tier and plan.compute_dtype == torch.float32
-        memory[mem[plan.opt_tier]]["optimizer"] += 2 * local_fp32 + (0 if master_is_shard else local_fp32)
-    return memory
-
-
-def _traffic(plan: ParamPlan, param: torch.Tensor, grad_in_ram: bool, recompute: bool) -> tuple[int, int, int]:
-    """(disk read, disk write, collective) bytes of one parameter per step on this rank."""
-    trained = param.requires_grad and param.dtype.is_floating_point and plan.stage > 0
-    shard_bytes = plan.local_numel * plan.compute_dtype.itemsize
-    local_fp32 = plan.local_numel * 4
-    read = write = 0
-    if plan.param_tier == "nvme":
-        read += shard_bytes * (3 if recompute else 2)  # forward, backward (and the recompute's forward)
-        if trained and not plan.params_in_master:
-            write += shard_bytes  # the stepped value written back
-    if trained and plan.opt_tier == "nvme":
-        # Master and two moments; a step during backward takes the master the backward's fetch read
-        # (runtime/optim/fetched_masters.py) where the parameter is read from its master's files.
-        read += (2 if plan.params_in_master and plan.step_in_backward else 3) * local_fp32
-        write += 3 * local_fp32
-        if not grad_in_ram:
-            read += local_fp32
-            write += local_fp32
-    collective = 0
-    if plan.world_size > 1:
-        gathered = plan.gathered_numel * plan.compute_dtype.itemsize  # a gather's output, a reduction's input
-        if plan.stage == 3:
-            collective += gathered * (3 if recompute else 2)  # gathers: forward, backward (and the recompute)
-        elif plan.stage > 0:
-            collective += gathered  # the stepped shards published to every rank
-        if trained:
-            collective += gathered  # the gradient's reduce-scatter
-        elif plan.stage == 0 and param.requires_grad:
-            collective += 2 * param.numel() * param.element_size()  # the gradient's all-reduce
-    return read, write, collective
-
-
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, options: Mapping | None = None,
          world_size: int | None = None, profile: Any = None, ranks_per_node: int | None = None,
          device: torch.device | str | None = None) -> Prediction:
@@ -237,109 +170,48 @@ def plan_blueprint(model: Blueprint, options: Mapping | None = None, world_size:
 def _plan_rank(model: Blueprint, options: ZinfOptions, asked: Mapping, world_size: int, rank: int, profile: Any,
                sharing: int) -> Prediction:
     named, saved, flops = model.named, model.saved, model.flops
-    tiling_moved = 0  # bytes the tile pass's rewrite moves beyond the untiled model's ops
-    memory = {tier: dict.fromkeys(KINDS, 0) for tier in TIERS}
-    owned: dict[int, int] = {}
     grad_ram = options.nvme_grad_ram_bytes
     if grad_ram == "auto":
         grad_ram = auto_grad_ram_bytes(available_bytes(), ranks_on_node())
-    grad_ram_left = grad_ram
     recompute = options.activation_checkpointing != "none"
-    planned = []  # (param, plan) in adoption order
-    for uid, (name, param) in enumerate(named):
+    planned = []
+    tiling_moved = 0  # bytes the tile pass's rewrite moves beyond the untiled model's ops
+    for name, param in named:
         itemsize = torch.empty((), dtype=param.dtype).element_size() if param.dtype.is_floating_point else 1
         tile_rows = (tile_rows_for(name, param.shape, param.numel() * itemsize, options, world_size,
                                    options.device_memory_limit, 0) if options.stage == 3 else None)
-        owner = None
-        if options.partition == "broadcast" and options.stage > 0:
-            owner = choose_owner(owned, world_size)
-            owned[owner] = owned.get(owner, 0) + param.numel()
-        planned.append((param, tile_rows, owner, plan_for(param, tile_rows, options, world_size, rank, owner=owner,
-                                                           uid=uid, device=model.device)))
+        planned.append(PlannedParam.of(name, param, tile_rows))
         if tile_rows is not None and len(tile_rows) > 1 and name in model.weight_matmuls:
-            tiling_moved += _tiling_bytes(*model.weight_matmuls[name], len(tile_rows),
-                                          planned[-1][3].compute_dtype.itemsize)
-    # The pinned pool, where one is made: sized from every parameter's slice (adoption plans them all).
-    pool_bytes = (parameter_pool_bytes(max([p.local_numel * 4 for *_, p in planned] + [0]), [p for *_, p in planned])
-                  if options.pinned_bytes == "auto" else int(options.pinned_bytes))
-    if options.host_memory is not None or options.ram_cache_bytes is not None:
-        # The RAM cache's choice, as adoption makes it (zinf_compiler/ram_cache.py).
-        host_memory = (None if options.host_memory is None else
-                       budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
-        tiers = choose_tiers([p for *_, p in planned], [param.requires_grad for param, *_ in planned],
-                             host_memory, 0, 0, lambda: pool_bytes, states_bytes=options.ram_cache_bytes,
-                             grad_ram_bytes=grad_ram)
-        planned = [(param, tile_rows, owner, plan if (pt, ot) == (plan.param_tier, plan.opt_tier) else
-                    plan_for(param, tile_rows, options, world_size, rank, owner=owner, uid=plan.uid,
-                             device=model.device, param_tier=pt, opt_tier=ot))
-                   for (param, tile_rows, owner, plan), (pt, ot) in zip(planned, tiers)]
-    plans, read, write, collective, swap_space = [plan for *_, plan in planned], 0, 0, 0, 0
-    accelerated = model.device.type == "cuda"
-    host_stepped = 0  # fp32 elements the optimizer steps on the CPU (cpu, nvme and, on a CPU device, all tiers)
-    host_device = 0
-    early_step_grads = 0
-    for param, _, _, plan in planned:
-        grad_in_ram = False
-        if plan.opt_tier == "nvme" and plan.local_numel and plan.local_numel * 4 <= grad_ram_left:
-            grad_in_ram, grad_ram_left = True, grad_ram_left - plan.local_numel * 4
-        for tier, kinds in _state_bytes(plan, param, grad_in_ram).items():
-            for kind, nbytes in kinds.items():
-                memory[tier][kind] += nbytes
-        if (plan.opt_tier == "nvme" and plan.step_in_backward and not grad_in_ram and param.requires_grad
-                and param.dtype.is_floating_point):
-            early_step_grads += plan.local_numel * 4
-        moved = _traffic(plan, param, grad_in_ram, recompute)
-        read, write, collective = read + moved[0], write + moved[1], collective + moved[2]
-        if accelerated:
-            host_device += _host_device_bytes(plan, param, recompute)
-        swap_space += options.nvme_copies * plan.swap_bytes(trained=param.requires_grad)
-        if (param.requires_grad and param.dtype.is_floating_point
-                and (plan.opt_tier != "device" or not accelerated)):
-            host_stepped += plan.local_numel if plan.stage > 0 else plan.numel
+            compute_itemsize = DTYPES[options.param_dtype].itemsize if param.dtype.is_floating_point else itemsize
+            tiling_moved += _tiling_bytes(*model.weight_matmuls[name], len(tile_rows), compute_itemsize)
+    host_memory = (None if options.host_memory is None else
+                   budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
+    # A fresh process: nothing adopted, no pinned pool yet, the whole gradient RAM budget left.
+    budgets = PlanBudgets(grad_ram_left=int(grad_ram), host_memory=host_memory)
+    model_plan = plan_model(planned, options, world_size=world_size, rank=rank, device=model.device, budgets=budgets)
+    plans = model_plan.plans
+    memory = {tier: dict(kinds) for tier, kinds in model_plan.memory.items()}
     if saved is not None:
         memory["device"]["activations"] = saved
-    pinned = dict.fromkeys(("parameters", "activations", "early_optimizer", "optimizer"), 0)
-    if any("nvme" in (p.param_tier, p.opt_tier) for p in plans):  # (what reads and writes swap)
-        pinned["parameters"] = pool_bytes
-    # The NVMe optimizer's buffers: the early step's pool, which the step after backward borrows; without an
-    # early step, a pool of the late step's own (runtime/optim/nvme_adam.py).
-    stepped_on_disk = [p for p, (param, *_) in zip(plans, planned)
-                       if p.opt_tier == "nvme" and p.local_numel and param.requires_grad]
-    early = [p for p in stepped_on_disk if p.step_in_backward]
-    if early:
-        pinned["early_optimizer"] = early_step_pool_bytes(early, stepped_on_disk)
-    elif stepped_on_disk:
-        pinned["optimizer"] = optimizer_pool_bytes(stepped_on_disk)
+    accelerated = model.device.type == "cuda"
+    # fp32 elements the optimizer steps on the CPU (cpu, nvme and, on a CPU device, all tiers)
+    host_stepped = sum(plan.local_numel if plan.stage > 0 else plan.numel for plan in plans
+                       if plan.trained and (plan.opt_tier != "device" or not accelerated))
     step = None
     if profile is not None and flops is not None:
         host_early = accelerated and any(p.step_in_backward and p.opt_tier == "cpu" for p in plans)
-        step = _step_seconds(flops, model.moved or 0, tiling_moved, recompute, read, write, collective, host_device,
-                             host_stepped, profile, sharing, overlapped=accelerated, optimizer_in_backward=host_early)
+        step = _step_seconds(flops, model.moved or 0, tiling_moved, recompute, model_plan.disk_read,
+                             model_plan.disk_write, model_plan.collective, model_plan.host_device, host_stepped,
+                             profile, sharing, overlapped=accelerated, optimizer_in_backward=host_early)
     shown = {key: value for key, value in dict(asked).items() if key != "mesh"}
     shown.setdefault("device", model.device.type)
     model_bytes = sum(plan.numel * plan.compute_dtype.itemsize for plan in plans)
-    built_bytes = sum(param.numel() * param.element_size() for param, *_ in planned)
-    return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=pinned,
-                      swap_space=swap_space, disk_read=read, disk_write=write, collective=collective,
-                      host_device=host_device, model_bytes=model_bytes, built_bytes=built_bytes, flops=flops, step=step,
-                      early_step_grads=early_step_grads)
-
-
-def _host_device_bytes(plan: ParamPlan, param: torch.Tensor, recompute: bool) -> int:
-    """Bytes one parameter copies between host memory and the accelerator per step on this rank: its shard
-    fetched to the device for forward and backward (and the recompute's forward) where it rests on the host
-    (cpu or nvme tier), its reduced gradient sent to the host where the optimizer steps there, and the stepped
-    shard sent back where the parameter rests on the device but its optimizer does not."""
-    trained = param.requires_grad and param.dtype.is_floating_point
-    shard_bytes = plan.local_numel * plan.compute_dtype.itemsize  # (at stages 1-2 the stepped slice, then gathered)
-    moved = 0
-    if plan.param_tier != "device":
-        moved += shard_bytes * (3 if recompute else 2)
-    if trained and plan.opt_tier != "device":
-        moved += plan.local_numel * plan.compute_dtype.itemsize
-        if plan.param_tier == "device":
-            moved += shard_bytes
-    return moved
+    built_bytes = sum(param.numel() * param.element_size() for _, param in named)
+    return Prediction(options=shown, world_size=world_size, rank=rank, memory=memory, pinned=dict(model_plan.pinned),
+                      swap_space=model_plan.swap_space, disk_read=model_plan.disk_read,
+                      disk_write=model_plan.disk_write, collective=model_plan.collective,
+                      host_device=model_plan.host_device, model_bytes=model_bytes, built_bytes=built_bytes,
+                      flops=flops, step=step, early_step_grads=model_plan.early_step_grads)
 
 
 def _tiling_bytes(inputs: int, outputs: int, tiles: int, itemsize: int) -> int:

@@ -39,14 +39,13 @@ from typing import Callable, Iterable, Sequence
 
 # Of host_memory, the share left for activations and the process's own RSS.
 HEADROOM_FRACTION = Fraction(1, 4)
-# Bytes per element of a trained parameter's optimizer state on the nvme tier: fp32 master, exp_avg, exp_avg_sq.
-OPTIMIZER_STATE_BYTES = 12
-GRAD_BYTES = 4  # the fp32 reduced gradient of one element
 
 OPTIMIZER = "optimizer"  # an item's kind: a parameter's master and moments (its opt_tier)
 SHARD = "shard"  # an item's kind: a stage-3 parameter shard (its param_tier)
 WHOLE = "whole"  # an item's kind: both, of a parameter with both on NVMe
 NAMES_LISTED = 8  # parameter names a dump line lists of each kind
+# A plan of the parameter at ``index`` on other tiers: (index, param_tier, opt_tier) -> ParamPlan.
+Replan = Callable[[int, str, str], object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +53,7 @@ class CacheItem:
     """One state of one parameter that could rest in RAM instead of on NVMe."""
 
     index: int  # the parameter's position in adoption order (graph order)
-    kind: str  # OPTIMIZER or SHARD
+    kind: str  # OPTIMIZER, SHARD or WHOLE
     held_bytes: int  # RAM it takes on the cpu tier
     moved_bytes: int  # disk bytes it moves per step on the nvme tier
 
@@ -64,35 +63,49 @@ class CacheItem:
         return Fraction(self.moved_bytes, max(self.held_bytes, 1))
 
 
-def _numel(plan) -> int:
-    """Elements of ``plan``'s local state as every rank counts it (a broadcast parameter whole, as on its owner)."""
-    return plan.shard_numel if plan.partition == "allgather" else plan.numel
-
-
-def _trained(plan, requires_grad: bool) -> bool:
+def _trained(plan) -> bool:
     """Whether the optimizer holds state for ``plan``'s parameter (and a gradient lands in its tier)."""
-    return requires_grad and plan.stage > 0 and plan.dtype.is_floating_point
+    return plan.trained and plan.stage > 0
 
 
-def cache_items(plans: Sequence, requires_grad: Sequence[bool]) -> list[CacheItem]:
+def _held_in_ram(plan) -> int:
+    """RAM ``plan``'s shard and optimizer state take on the cpu tier (its gradient aside: :func:`grad_bytes`),
+    as every rank counts them (the plan's own byte model, ``ParamPlan.state_bytes``)."""
+    cpu = plan.state_bytes(numel=plan.common_numel)["cpu"]
+    return cpu["params"] + cpu["optimizer"]
+
+
+def _disk_moved(plan, recompute: bool) -> int:
+    """Disk bytes ``plan``'s shard and optimizer state move per step (its gradient aside), as every rank counts
+    them (``ParamPlan.traffic``)."""
+    read, write, _ = plan.traffic(grad_in_ram=True, recompute=recompute, numel=plan.common_numel)
+    return read + write
+
+
+def cache_items(plans: Sequence, replan: Replan, recompute: bool = False) -> list[CacheItem]:
     """The cacheable states of ``plans`` (each a ``ParamPlan`` laid out for the nvme tiers, in adoption order;
-    None: skip; ``requires_grad`` of each): an nvme optimizer state of a trained float parameter, read and
-    written once a step, and an nvme stage-3 shard, read at each fetch (forward and backward) and written after
-    the step.  A trained parameter with both on NVMe is one item, both kept in RAM or neither: the optimizer
-    steps it during backward only while both rest on NVMe (overlap_optimizer; a parameter half in RAM would
-    step after backward, on the step's critical path)."""
+    None: skip), each sized by the plans' byte model against its plan on the cpu tier (``replan``): an nvme
+    optimizer state of a trained float parameter, read and written once a step, and an nvme stage-3 shard, read
+    at each fetch (forward and backward) and written after the step.  A trained parameter with both on NVMe is
+    one item, both kept in RAM or neither: the optimizer steps it during backward only while both rest on NVMe
+    (overlap_optimizer; a parameter half in RAM would step after backward, on the step's critical path)."""
     items = []
-    for index, (plan, trained) in enumerate(zip(plans, requires_grad)):
-        if plan is None or _numel(plan) == 0:
+    for index, plan in enumerate(plans):
+        if plan is None or plan.common_numel == 0:
             continue
-        optimizer = OPTIMIZER_STATE_BYTES * _numel(plan) if plan.opt_tier == "nvme" and _trained(plan, trained) else 0
-        shard = _numel(plan) * plan.compute_dtype.itemsize if plan.param_tier == "nvme" else 0
+        optimizer = plan.opt_tier == "nvme" and _trained(plan)
+        shard = plan.param_tier == "nvme"
         if optimizer and shard:
-            items.append(CacheItem(index, WHOLE, optimizer + shard, 2 * optimizer + 3 * shard))
+            kind, tiers = WHOLE, ("cpu", "cpu")
         elif optimizer:
-            items.append(CacheItem(index, OPTIMIZER, optimizer, 2 * optimizer))
+            kind, tiers = OPTIMIZER, (plan.param_tier, "cpu")
         elif shard:
-            items.append(CacheItem(index, SHARD, shard, 3 * shard))
+            kind, tiers = SHARD, ("cpu", plan.opt_tier)
+        else:
+            continue
+        cached = replan(index, *tiers)
+        items.append(CacheItem(index, kind, _held_in_ram(cached) - _held_in_ram(plan),
+                               _disk_moved(plan, recompute) - _disk_moved(cached, recompute)))
     return items
 
 
@@ -112,30 +125,30 @@ def choose_cached(items: Iterable[CacheItem], budget: int) -> set[tuple[int, str
     return chosen
 
 
-def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: int | None, held_bytes: int,
-                 pinned_bytes: int, pool_if_needed: Callable[[], int],
-                 states_bytes: int | None = None, grad_ram_bytes: int | None = None) -> list[tuple[str, str]]:
-    """``(param_tier, opt_tier)`` of each of ``plans`` (laid out for the nvme tiers) under ``host_memory``
-    (bytes): the cached states on the cpu tier, the rest as planned.
+def choose_tiers(plans: Sequence, replan: Replan, host_memory: int | None, held_bytes: int, pinned_bytes: int,
+                 pool_bytes: int, states_bytes: int | None = None, grad_ram_bytes: int | None = None,
+                 recompute: bool = False) -> list[tuple[str, str]]:
+    """``(param_tier, opt_tier)`` of each of ``plans`` (laid out for the nvme tiers; ``replan`` lays one out on
+    other tiers) under ``host_memory`` (bytes): the cached states on the cpu tier, the rest as planned.
 
     ``held_bytes``: what earlier graphs' records hold (:func:`held_by_records`), this graph's gradients are
     added here; ``pinned_bytes``: the pinned pool's, if it exists; else, should some state stay on NVMe,
-    ``pool_if_needed()`` sizes (the store: makes) the pool, whose bytes then come out of the budget too.
+    the pool of ``pool_bytes`` will be made, and its bytes come out of the budget too.
     ``states_bytes`` (option ``ram_cache_bytes`` less what earlier graphs cached, :func:`states_held_by_records`):
     the cached states' budget itself, which zinf.plan sized from the whole process's prediction; then
     ``host_memory``, ``held_bytes`` and the pool are not read.  ``grad_ram_bytes``: what is left of option
     nvme_grad_ram_bytes (None: no bound), the RAM the gradients of parameters whose optimizer state stays on
-    NVMe may take (:func:`grad_charge`).
+    NVMe may take (:func:`grad_charge`).  ``recompute``: activation checkpointing (a shard is read once more).
     """
-    items = cache_items(plans, requires_grad)
+    items = cache_items(plans, replan, recompute)
     if states_bytes is not None:
         chosen = choose_cached(items, max(states_bytes, 0))
     else:
-        grads, items = grad_charge(plans, requires_grad, items, grad_ram_bytes)
+        grads, items = grad_charge(plans, items, grad_ram_bytes)
         held = held_bytes + grads
         chosen = choose_cached(items, states_budget(host_memory, pinned_bytes, held))
         if len(chosen) < len(items) and not pinned_bytes:
-            chosen = choose_cached(items, states_budget(host_memory, pool_if_needed(), held))
+            chosen = choose_cached(items, states_budget(host_memory, pool_bytes, held))
     tiers = []
     for index, plan in enumerate(plans):
         whole = (index, WHOLE) in chosen
@@ -144,8 +157,7 @@ def choose_tiers(plans: Sequence, requires_grad: Sequence[bool], host_memory: in
     return tiers
 
 
-def grad_charge(plans: Sequence, requires_grad: Sequence[bool], items: list[CacheItem],
-                grad_ram_bytes: int | None) -> tuple[int, list[CacheItem]]:
+def grad_charge(plans: Sequence, items: list[CacheItem], grad_ram_bytes: int | None) -> tuple[int, list[CacheItem]]:
     """The gradients' RAM taken before any state is cached, and ``items`` with what caching one adds.
 
     A gradient whose optimizer state rests in RAM is in RAM; one whose state stays on NVMe is in RAM only
@@ -154,21 +166,21 @@ def grad_charge(plans: Sequence, requires_grad: Sequence[bool], items: list[Cach
     gradient too (it then rests in RAM, beyond that bound): at most what the run holds, so the budget holds."""
     on_nvme = [plan if plan is not None and plan.opt_tier == "nvme" else None for plan in plans]
     elsewhere = [None if plan is None or plan.opt_tier == "nvme" else plan for plan in plans]
-    grads_on_nvme = grad_bytes(on_nvme, requires_grad)
-    grads = grad_bytes(elsewhere, requires_grad)
+    grads_on_nvme = grad_bytes(on_nvme)
+    grads = grad_bytes(elsewhere)
     if grad_ram_bytes is None or grads_on_nvme <= grad_ram_bytes:
         return grads + grads_on_nvme, items
     with_grads = [item if item.kind == SHARD else
-                  dataclasses.replace(item, held_bytes=item.held_bytes + GRAD_BYTES * _numel(plans[item.index]))
+                  dataclasses.replace(item, held_bytes=item.held_bytes + grad_bytes([plans[item.index]]))
                   for item in items]
     return grads + grad_ram_bytes, with_grads
 
 
-def grad_bytes(plans: Sequence, requires_grad: Sequence[bool]) -> int:
-    """RAM the fp32 gradients of ``plans``' trained parameters off the device take (charged before any cached
-    state; ``requires_grad`` of each plan)."""
-    return sum(GRAD_BYTES * _numel(plan) for plan, trained in zip(plans, requires_grad)
-               if plan is not None and plan.opt_tier != "device" and _trained(plan, trained))
+def grad_bytes(plans: Sequence) -> int:
+    """RAM the fp32 gradients of ``plans``' trained parameters off the device take when in RAM (charged before
+    any cached state), as every rank counts them (``ParamPlan.state_bytes``)."""
+    return sum(plan.state_bytes(grad_in_ram=True, numel=plan.common_numel)["cpu"]["grads"]
+               for plan in plans if plan is not None and plan.opt_tier != "device" and _trained(plan))
 
 
 def states_budget(host_memory: int, pinned_bytes: int, held_bytes: int) -> int:
@@ -182,22 +194,15 @@ def held_by_records(records: Iterable) -> int:
     """RAM the adopted ``records`` hold that :func:`states_budget` counts: gradients of trained parameters
     (not those in swap files: nvme_grad_ram_bytes), optimizer states and shards on the cpu tier (sized as
     :func:`cache_items` sizes them)."""
-    records = list(records)
-    in_ram = [record for record in records if record.plan.opt_tier != "nvme" or record.grad_in_ram]
-    return sum(grad_bytes([record.plan], [record.trainable]) for record in in_ram) + states_held_by_records(records)
+    plans = [record.plan for record in records]
+    in_ram = [plan for plan in plans if plan.opt_tier != "nvme" or plan.grad_in_ram]
+    return grad_bytes(in_ram) + sum(_held_in_ram(plan) for plan in plans)
 
 
 def states_held_by_records(records: Iterable) -> int:
     """RAM the optimizer states and shards of the adopted ``records`` on the cpu tier hold (as :func:`cache_items`
     sizes them): what option ``ram_cache_bytes`` has spent already."""
-    held = 0
-    for record in records:
-        plan = record.plan
-        if plan.opt_tier == "cpu" and _trained(plan, record.trainable):
-            held += OPTIMIZER_STATE_BYTES * _numel(plan)
-        if plan.param_tier == "cpu":
-            held += _numel(plan) * plan.compute_dtype.itemsize
-    return held
+    return sum(_held_in_ram(record.plan) for record in records)
 
 
 def describe_cached(named_layouts: Iterable, options) -> str | None:

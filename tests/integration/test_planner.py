@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import zinf_compiler as zinf
+from zinf_compiler.api import RUNTIME
 from zinf_compiler.gpt import GPT, GPTConfig
 from zinf_compiler.cost_model import nominal_profile
 
@@ -56,6 +57,7 @@ def test_the_plan_predicts_what_memory_report_then_shows(case, tmp_path):
 
     torch.manual_seed(0)
     model = GPT(CFG)
+    pool_before = RUNTIME.store.pinned  # (the process's: an earlier test's model may have made it)
     compiled = torch.compile(model, backend="zinf", options=options)
     opt = zinf.optim.AdamW(model.parameters(), lr=1e-3)
     compiled(idx, idx).backward()
@@ -67,9 +69,12 @@ def test_the_plan_predicts_what_memory_report_then_shows(case, tmp_path):
         for kind in ("params", "grads", "optimizer"):
             assert abs(report[tier][kind] - predicted.memory[tier][kind]) <= slack, (
                 tier, kind, report[tier][kind], predicted.memory[tier][kind])
-    # The store's pinned pool (made once per process, at the first NVMe transfer) is the one predicted.
+    # The store's pinned pool (made once per process, at the first NVMe transfer) is the one predicted; one an
+    # earlier model made is at least that (grown to fit this model, if it was smaller).
     if "nvme" in options.values():
-        assert report["pinned"]["parameters"]["quota"] == predicted.pinned["parameters"] > 0
+        made = report["pinned"]["parameters"]["quota"]
+        assert (made == predicted.pinned["parameters"] > 0 if pool_before is None else
+                made >= predicted.pinned["parameters"] > 0), (made, predicted.pinned, pool_before)
         # And the optimizer's own: the early step's pool (the step after backward borrows it), or the late one's.
         nvme = opt._nvme
         own, consumer = (nvme.early.pool, "early_optimizer") if nvme.early is not None else (nvme.pool, "optimizer")
@@ -280,7 +285,7 @@ def test_the_plan_follows_the_ram_cache_under_host_memory(tmp_path):
     # In a process of its own: the planner predicts a fresh process, whose pinned pool (part of the budget)
     # is made by this run with this size (in this one an earlier test may have made it already).
     options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path),
-               "lower": "eager", "pinned_bytes": 256 << 10, "host_memory": 700 << 10}
+               "lower": "eager", "pinned_bytes": 256 << 10, "host_memory": 550 << 10}
     done = subprocess.run([sys.executable, "-c", _CACHE_RUN, json.dumps(options)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,29 +12,36 @@ import zinf_compiler as zinf
 from zinf_compiler import ram_cache
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.gpt import GPT, GPTConfig, synthetic_batches
+from plan_bytes import ram_per_element
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 BATCHES = synthetic_batches(CFG, 4, 6)
 ADAMW = dict(lr=1e-2, eps=1e-6, fused=True)
+WHOLE, GRAD = ram_per_element("cpu", "cpu")  # a parameter cached whole (fp32: the shard is the master), its gradient
+OPTIMIZER_ONLY, _ = ram_per_element("device", "cpu")  # its optimizer state alone (the shard on the device)
 
 
 def _pinned_pool_bytes(tmp_path) -> int:
-    """The process's pinned pool ("auto"), made here if no earlier model made it: the cache charges it once it
-    exists (without one, it is made only if some state stays on NVMe); plus what models of earlier tests
+    """The process's pinned pool ("auto") once this model is planned (the one an earlier model made, grown to
+    fit this one's too, or the one made for it), which the cache charges, plus what models of earlier tests
     still alive in this process hold (the budget is the process's: ram_cache.held_by_records)."""
-    RUNTIME.store.configure_offload(str(tmp_path), "auto", 1 << 20, 8, 4, 2)
     gc.collect()
     RUNTIME.store.collect()
-    return RUNTIME.store.pinned_pool(0).capacity_bytes + ram_cache.held_by_records(RUNTIME.store.records())
+    RUNTIME.store.configure_offload(str(tmp_path), "auto", 1 << 20, 8, 4, 2)
+    RUNTIME.store.pinned_pool(0)  # (made now, so that the cache charges it: the run grows it to fit the model)
+    with torch.device("meta"):
+        planned = zinf.plan(GPT(CFG), None, {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+                                            "nvme_path": str(tmp_path)}).pinned["parameters"]
+    made = RUNTIME.store.pinned.capacity_bytes if RUNTIME.store.pinned is not None else 0
+    return max(made, planned) + ram_cache.held_by_records(RUNTIME.store.records())
 
 
 def _host_memory_for_a_mix(mixed: str, pinned: int) -> int:
     """A host_memory whose states budget (ram_cache.states_budget) holds half the parameters whole (``mixed``
     "whole": shard and optimizer state) or, the shards on the device, half the optimizer states ("device")."""
     numel = sum(p.numel() for p in GPT(CFG).parameters())
-    cached = {"whole": (4 + ram_cache.OPTIMIZER_STATE_BYTES) * numel // 2,
-              "device": ram_cache.OPTIMIZER_STATE_BYTES * numel // 2}[mixed]
-    wanted = pinned + ram_cache.GRAD_BYTES * numel + cached
+    cached = {"whole": WHOLE * numel // 2, "device": OPTIMIZER_ONLY * numel // 2}[mixed]
+    wanted = pinned + GRAD * numel + cached
     return int(wanted / (1 - ram_cache.HEADROOM_FRACTION))
 
 
@@ -167,7 +174,7 @@ def test_materialize_plans_the_whole_model_and_adopts_it_as_planned(tmp_path):
 @pytest.mark.slow
 def test_with_every_state_in_ram_nothing_is_on_nvme(tmp_path):
     numel = sum(p.numel() for p in GPT(CFG).parameters())
-    everything = _pinned_pool_bytes(tmp_path) + (ram_cache.GRAD_BYTES + ram_cache.OPTIMIZER_STATE_BYTES + 4) * numel
+    everything = _pinned_pool_bytes(tmp_path) + (GRAD + WHOLE) * numel
     host_memory = int(everything / (1 - ram_cache.HEADROOM_FRACTION)) + 1
     options = {**_options(tmp_path, "nvme", None), "host_memory": host_memory}
     run = Run(options)
@@ -196,8 +203,8 @@ def test_graphs_spend_one_budget_first_come_first_served(tmp_path):
     torch.manual_seed(0)
     model = _TwoGraphs()
     numel = model.first.weight.numel()
-    one_layer = (ram_cache.OPTIMIZER_STATE_BYTES + 4) * numel
-    wanted = _pinned_pool_bytes(tmp_path) + 2 * ram_cache.GRAD_BYTES * numel + one_layer + numel
+    one_layer = WHOLE * numel
+    wanted = _pinned_pool_bytes(tmp_path) + 2 * GRAD * numel + one_layer + numel
     options = {**_options(tmp_path, "nvme", None), "lower": "eager",
                "host_memory": int(wanted / (1 - ram_cache.HEADROOM_FRACTION)) + 1}
     compiled = torch.compile(model, backend="zinf", options=options)

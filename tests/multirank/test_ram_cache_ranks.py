@@ -5,19 +5,27 @@ during backward) trains like eager and loss for loss like the all-NVMe run.
 In one process, bit for bit against the all-NVMe run: tests/integration/test_ram_cache.py."""
 
 import pytest
+import torch
 from multirank import run_ranks
+from plan_bytes import ram_per_element
 
+import zinf_compiler as zinf
 from zinf_compiler import ram_cache
 from zinf_compiler.gpt import GPT, GPTConfig
 
 MODEL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 WORLD = 2
-PINNED = 64 << 20  # the "auto" pool of this model (its floor), made by the all-NVMe run that goes first
 
 
 def _host_memory_for_half_the_parameters() -> int:
-    numel = -(-sum(p.numel() for p in GPT(GPTConfig(**MODEL, frozen_scale=True)).parameters()) // WORLD)
-    wanted = PINNED + ram_cache.GRAD_BYTES * numel + (4 + ram_cache.OPTIMIZER_STATE_BYTES) * numel // 2
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**MODEL, frozen_scale=True))
+    # The "auto" pinned pool of this model on each rank, made by the all-NVMe run that goes first.
+    pinned = zinf.plan(model, None, {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+                                     "nvme_path": "/tmp"}, world_size=WORLD).pinned["parameters"]
+    numel = -(-sum(p.numel() for p in model.parameters()) // WORLD)
+    whole, grad = ram_per_element("cpu", "cpu")
+    wanted = pinned + grad * numel + whole * numel // 2
     return int(wanted / (1 - ram_cache.HEADROOM_FRACTION))
 
 

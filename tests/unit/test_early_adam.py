@@ -17,6 +17,8 @@ import types
 import pytest
 import torch
 
+from adopting import adopt_in
+
 from zinf_compiler.runtime import param_plan, swap_layout
 from zinf_compiler.runtime.optim.early_adam import EarlyAdam
 from zinf_compiler.runtime.optim.nvme_adam import NvmeAdam
@@ -50,7 +52,7 @@ class Side:
         self.params = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in shapes.items()}
         self.records = {}
         for name, param in self.params.items():
-            record = self.store.adopt(param, name, stage=3, partition="allgather", param_dtype=param_dtype,
+            record = adopt_in(self.store, param, name, stage=3, partition="allgather", param_dtype=param_dtype,
                                       param_tier="nvme", opt_tier="nvme", step_in_backward=early,
                                       grad_ram_bytes=1 << 30 if grads_in_ram else 0)
             self.store.release_full_storage([record])
@@ -265,7 +267,7 @@ def test_overlap_optimizer_auto_steps_in_backward_on_a_cpu_device(tmp_path, step
     store.configure_offload(str(tmp_path), 16 << 20, aio_block_size=1 << 20, aio_queue_depth=4, aio_threads=1,
                             nvme_copies=copies)
     param = torch.nn.Parameter(torch.randn(4, 8))
-    record = store.adopt(param, "w", stage=3, partition="allgather", param_dtype="fp32", param_tier="nvme",
+    record = adopt_in(store, param, "w", stage=3, partition="allgather", param_dtype="fp32", param_tier="nvme",
                          opt_tier="nvme", step_in_backward=step_in_backward)
     assert record.device.type == "cpu" and record.step_in_backward is expected
     for engine in store.engines():

@@ -15,6 +15,8 @@ import textwrap
 
 import torch
 
+from adopting import adopt_in
+
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.resting import RestingParameter, _StoreLink, record_of
 from zinf_compiler.runtime.store import ParamStore
@@ -23,7 +25,7 @@ from zinf_compiler.runtime.store import ParamStore
 def test_a_resting_parameter_finds_its_record_through_its_own_store():
     store = ParamStore(RUNTIME.comm)
     param = torch.nn.Parameter(torch.randn(8, 4))
-    record = store.adopt(param, "w", stage=3, partition="allgather", param_dtype="fp32")
+    record = adopt_in(store, param, "w", stage=3, partition="allgather", param_dtype="fp32")
     assert record_of(param) == (None, None)  # not resting yet: no link
     store.release_full_storage([record])
     assert type(param) is RestingParameter

@@ -5,6 +5,8 @@ import weakref
 
 import torch
 
+from adopting import adopt_in
+
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.model_group import ModelGroup
 from zinf_compiler.runtime.store import ParamStore
@@ -26,7 +28,7 @@ def _two_models_holding() -> tuple[ParamStore, list[ModelGroup]]:
         params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
         group = store.claim(params)
         for index, param in enumerate(params):
-            store.adopt(param, f"m{model}.p{index}", stage=3, partition="allgather", param_dtype="fp32",
+            adopt_in(store, param, f"m{model}.p{index}", stage=3, partition="allgather", param_dtype="fp32",
                         param_tier="device", opt_tier="device")
         groups.append(group)
         group.params = params  # (kept alive with the group for the test)

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from adopting import adopt_in
+
 from zinf_compiler.runtime import agreement
 import types
 
@@ -58,12 +60,12 @@ def test_adoption_keeps_the_claimed_group_and_its_mesh():
     store = ParamStore(RUNTIME.comm)
     params = _params(2)
     group = store.claim(params)
-    records = [store.adopt(param, f"w{i}", stage=3, partition="shard", param_dtype="fp32")
+    records = [adopt_in(store, param, f"w{i}", stage=3, partition="shard", param_dtype="fp32")
                for i, param in enumerate(params)]
     assert all(record.group is group for record in records)
     assert list(group.records.values()) == records and group.mesh is records[0].mesh
     # A parameter adopted with no claim gets a group of its own.
-    loose = store.adopt(_params(1)[0], "loose", stage=3, partition="shard", param_dtype="fp32")
+    loose = adopt_in(store, _params(1)[0], "loose", stage=3, partition="shard", param_dtype="fp32")
     assert loose.group is not group and loose.group.records == {loose.uid: loose}
 
 
@@ -71,7 +73,7 @@ def test_a_model_adopted_over_another_mesh_is_refused_by_name():
     store = ParamStore(RUNTIME.comm)
     params = _params(2)
     group = store.claim(params)
-    store.adopt(params[0], "w0", stage=3, partition="shard", param_dtype="fp32")
+    adopt_in(store, params[0], "w0", stage=3, partition="shard", param_dtype="fp32")
     other_mesh = types.SimpleNamespace(describe=lambda: "another mesh")
     with pytest.raises(ZinfStoreError, match="w1 is asked to shard over another mesh"):
         group.check_mesh(other_mesh, "w1")

@@ -18,11 +18,12 @@ import types
 
 import pytest
 import torch
+from adopting import adopt_in
 from hypothesis import given, settings, strategies as st
 
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.buckets import bucket_runs
-from zinf_compiler.runtime.param_plan import OPTIMIZER_STATES, ParamPlan, plan_buckets, plan_param
+from zinf_compiler.runtime.param_plan import OPTIMIZER_STATES, ParamPlan, plan_param
 from zinf_compiler.runtime.comm import DONE
 from zinf_compiler.runtime.records import DTYPES
 from zinf_compiler.runtime.store import ParamStore
@@ -144,7 +145,7 @@ def test_the_store_lays_out_each_parameter_as_its_plan_says(swap_folder, case, d
     store.configure_offload(folder, 32 << 20,
                             aio_block_size=1 << 20, aio_queue_depth=4, aio_threads=1)
     try:
-        record = store.adopt(param, "w", mesh=_mesh(world, rank), **settings_)
+        record = adopt_in(store, param, "w", mesh=_mesh(world, rank), **settings_)
         assert record.plan == plan  # the store's layout is the plan
         assert (record.tile_rows, record.param_tier, record.opt_tier, record.shard_numel, record.local_numel) == \
                (plan.tile_rows, plan.param_tier, plan.opt_tier, plan.shard_numel, plan.local_numel)
@@ -179,10 +180,10 @@ def test_bucket_membership_comes_from_the_plans_in_order_through_bucket_runs():
 
     layouts = [layout(0, 16, 128), layout(1, 16, 128), layout(2, 16, 128), layout(3, 16, 128, tiled=True),
                layout(4, 16, 0)]
-    plans = [layout.plan for layout in layouts]
-    assert plan_buckets(plans) == bucket_runs(layouts, [128] * 4 + [0], [0] * 5) == [[0, 1], [2], [3], [4]]
-    assert plan_buckets(plans, keys=["a", "b", "b", "b", "b"]) == [[0], [1, 2], [3], [4]]
-    assert plan_buckets([plans[0], None, plans[1]]) == [[0], [1], [2]]  # one not adopted moves alone
+    limits = [layout.bucket_bytes for layout in layouts]
+    assert bucket_runs(layouts, limits, [0] * 5) == [[0, 1], [2], [3], [4]]
+    assert bucket_runs(layouts, limits, ["a", "b", "b", "b", "b"]) == [[0], [1, 2], [3], [4]]
+    assert bucket_runs([layouts[0], None, layouts[1]], [128, 0, 128], [0] * 3) == [[0], [1], [2]]  # one not adopted moves alone
 
 
 def test_a_plan_is_frozen_and_refuses_tiles_that_do_not_split_the_rows():

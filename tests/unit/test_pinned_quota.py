@@ -95,3 +95,46 @@ def test_the_runtime_hands_one_allocator_to_the_stores_and_counts_it_in_the_proc
     assert store.process.resting["cpu"] - before == pool.capacity_bytes == 1 << 20
     assert store.pinned_memory.figures() == {"parameters": {"quota": 1 << 20, "in_use": 0, "peak": 0,
                                                             "pinned": pool.locked}}
+
+
+def _nvme_plan(numel: int, uid: int):
+    import torch
+
+    from zinf_compiler.runtime.param_plan import plan_param
+    return plan_param(uid=uid, shape=(numel,), dtype=torch.float32, device=torch.device("cpu"), stage=3,
+                      partition="allgather", param_dtype=torch.float32, param_tier="nvme", opt_tier="nvme",
+                      world_size=1, rank=0)
+
+
+def test_the_parameters_pool_is_sized_to_a_small_model_and_floored_for_a_large_one():
+    from zinf_compiler.runtime.pool_sizes import POOL_FLOOR, grad_write_reserve_bytes, parameter_pool_bytes
+    from zinf_compiler.runtime.swap_layout import align
+
+    small = [_nvme_plan(10_000, uid) for uid in range(4)]  # 160 KB of fp32 slices in all
+    everything = sum(align(plan.local_numel * 4) for plan in small) + grad_write_reserve_bytes(small)
+    assert parameter_pool_bytes(40_000, small) == everything < POOL_FLOOR  # (was 64 MiB whatever the model)
+    large = [_nvme_plan(1 << 20, uid) for uid in range(32)]  # 128 MiB of slices: the floor's room for prefetch
+    assert parameter_pool_bytes(4 << 20, large) == POOL_FLOOR
+    # Nothing planned yet: one block, never an empty pool.
+    assert parameter_pool_bytes(0, []) == 4096
+
+
+def test_a_pool_made_for_a_first_graph_grows_for_the_next_while_nothing_is_in_use(tmp_path):
+    store = ParamStore(RUNTIME.comm, pinned_memory=PinnedMemory())
+    store.configure_offload(str(tmp_path), "auto", 1 << 20, 4, 1)
+    store.plan_shards([_nvme_plan(1_000, 0)])
+    first = store.pinned_pool(4000)
+    store.plan_shards([_nvme_plan(100_000, 1)])  # a later graph's larger parameter
+    assert store.pinned is not first and store.pinned.capacity_bytes > first.capacity_bytes
+    grown = store.pinned
+    held = grown.acquire(4096)  # (in use: a pool with buffers out is never replaced)
+    store.plan_shards([_nvme_plan(1_000_000, 2)])
+    assert store.pinned is grown
+    held.release()
+    # An explicit pinned_bytes is the user's: never changed.
+    fixed = ParamStore(RUNTIME.comm, pinned_memory=PinnedMemory())
+    fixed.configure_offload(str(tmp_path), 64 * KiB, 1 << 20, 4, 1)
+    fixed.plan_shards([_nvme_plan(1_000, 0)])
+    made = fixed.pinned_pool(4000)
+    fixed.plan_shards([_nvme_plan(100_000, 1)])
+    assert fixed.pinned is made and made.capacity_bytes == 64 * KiB

@@ -16,6 +16,8 @@ import types
 import pytest
 import torch
 
+from adopting import adopt_in
+
 from zinf_compiler.runtime.ledger import ZinfStoreError
 from zinf_compiler.api import RUNTIME
 from zinf_compiler.runtime.store import ParamStore
@@ -49,7 +51,7 @@ def _adopt(store: ParamStore, tier: str, rows: int = 6, name: str = "w") -> tupl
     param = torch.nn.Parameter(torch.randn(rows, 5))
     _ALIVE.append(param)
     expected = param.detach().clone()
-    record = store.adopt(param, name, stage=3, partition="allgather", param_dtype="fp32", param_tier=tier)
+    record = adopt_in(store, param, name, stage=3, partition="allgather", param_dtype="fp32", param_tier=tier)
     store.release_full_storage([record])
     return expected, record
 
@@ -204,7 +206,7 @@ def test_abandoned_transfers_give_their_pinned_buffers_and_counted_bytes_back(st
 @pytest.mark.parametrize("opt_tier", ["device", "cpu"])
 def test_reduced_gradients_add_up_in_the_gradient_shard_until_dropped(store, opt_tier):
     param = torch.nn.Parameter(torch.randn(4, 3))
-    record = store.adopt(param, "g", stage=2, partition="allgather", param_dtype="fp32", opt_tier=opt_tier)
+    record = adopt_in(store, param, "g", stage=2, partition="allgather", param_dtype="fp32", opt_tier=opt_tier)
     unit = store.unit([record])
     grads = [torch.randn(4, 3), torch.randn(4, 3)]
     for grad in grads:
@@ -221,7 +223,7 @@ def test_reduced_gradients_add_up_in_the_gradient_shard_until_dropped(store, opt
 
 def test_a_collected_parameter_frees_its_shard_and_its_counted_bytes(store):
     param = torch.nn.Parameter(torch.randn(6, 5))
-    store.adopt(param, "gone", stage=3, partition="allgather", param_dtype="fp32", param_tier="cpu")
+    adopt_in(store, param, "gone", stage=3, partition="allgather", param_dtype="fp32", param_tier="cpu")
     assert store.resting["cpu"] > 0 and len(store.records()) == 1
     del param
     store.collect()  # (the weakref callback only queued it)
@@ -229,14 +231,17 @@ def test_a_collected_parameter_frees_its_shard_and_its_counted_bytes(store):
 
 
 def test_a_parameter_keeps_the_mesh_it_was_adopted_with(store):
+    from zinf_compiler import adoption
+    from zinf_compiler.options import parse_options
     from zinf_compiler.runtime.comm import MeshComm
 
     param = torch.nn.Parameter(torch.randn(4, 4))
-    record = store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32")
+    record = adopt_in(store, param, "m", stage=3, partition="allgather", param_dtype="fp32")
     assert record.mesh is RUNTIME.comm.mesh() and record.mesh.is_default and record.mesh.everyone is RUNTIME.comm
-    assert store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=RUNTIME.comm.mesh()) is record
+    options = parse_options({"stage": 3})
+    assert adoption.adopt(store, param, "m", options, RUNTIME.comm.mesh(), None) is record
     with pytest.raises(ZinfStoreError, match="same stage, partition, param_dtype, offload options and mesh"):
-        store.adopt(param, "m", stage=3, partition="allgather", param_dtype="fp32", mesh=MeshComm(RUNTIME.comm))
+        adoption.adopt(store, param, "m", options, MeshComm(RUNTIME.comm), None)
 
 
 def test_the_graph_ops_reach_the_store_of_the_call_they_run_in(store):
@@ -277,6 +282,6 @@ def test_auto_gradient_ram_is_an_eighth_of_the_memory_available_shared_by_the_no
     for index in range(3):
         param = torch.nn.Parameter(torch.randn(6, 5))
         _ALIVE.append(param)
-        records.append(store.adopt(param, f"p{index}", stage=3, partition="allgather", param_dtype="fp32",
+        records.append(adopt_in(store, param, f"p{index}", stage=3, partition="allgather", param_dtype="fp32",
                                    param_tier="nvme", opt_tier="nvme", grad_ram_bytes="auto"))
     assert [record.grad_in_ram for record in records] == [True, True, False]
