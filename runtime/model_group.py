@@ -32,7 +32,11 @@ import torch
 from .ledger import Ledger, ZinfStoreError
 
 if TYPE_CHECKING:
-    from .comm import Comm, MeshComm  # (records.py imports this module: its ParamRecord is named, not imported)
+    # (records.py and units.py import this module: ParamRecord and Unit are named, not imported)
+    from .comm import Comm, MeshComm
+    from .records import ParamRecord
+    from .store import ParamStore
+    from .units import Unit
 
 _group_numbers = itertools.count()
 
@@ -118,10 +122,17 @@ def combined_scaler_state(scalers: Iterable[Fp16GradScaler]) -> dict:
 
 
 class ModelGroup:
-    """One model's parameters and what belongs to the model (see the module docstring)."""
+    """One model's parameters and what belongs to the model (see the module docstring).
 
-    def __init__(self):
+    ``store``: the services it was handed (the process's ParamStore: transfers, swap engines, pinned pool,
+    communicator), which every model shares; what the group holds is its own."""
+
+    def __init__(self, store: "ParamStore | None" = None):
         self.number = next(_group_numbers)  # for messages and dumps: groups in the order they were made
+        self.store = store
+        # Its units (buckets, row tiles), by key, each built once (ParamStore.unit): a unit's parameters are
+        # one model's, and two models share none.
+        self.units: dict[tuple, "Unit"] = {}
         self.ledger = Ledger()
         self.fp16_scaler = Fp16GradScaler()
         # Seconds this model's collectives wait for the other ranks (option collective_timeout; None: the
@@ -165,8 +176,41 @@ class ModelGroup:
         self.records[record.uid] = record
 
     def leave(self, record: "ParamRecord") -> None:
-        """``record``'s parameter was collected (its bytes were already given back)."""
+        """``record``'s parameter was collected (its bytes were already given back): it and its units go."""
         self.records.pop(record.uid, None)
+        for key in [key for key in self.units if any(uid == record.uid for uid, _ in key)]:
+            del self.units[key]
 
     def __repr__(self) -> str:
         return f"ModelGroup({self.number}, {len(self.records)} parameters)"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelView:
+    """One model as the top layer (checkpoints, pipeline stages) reaches it: the groups its parameters are in
+    and the services they share (the process's ParamStore).
+
+    One group for a model trained the usual way (its optimizer, a load or its first compile claimed it
+    whole); several for a model compiled in parts before anything claimed it whole (groups never merge), or
+    for a container of models.  ``lookup`` finds only this model's parameters' records, so code handed one
+    model's view never reaches another's state.
+    """
+
+    groups: tuple[ModelGroup, ...]
+    store: "ParamStore"
+
+    @property
+    def group(self) -> ModelGroup:
+        """The model's group: its first (the one a claim puts its unclaimed parameters in)."""
+        return self.groups[0]
+
+    @property
+    def comm(self) -> "Comm":
+        """The process's communicator (every rank): what the model's checkpoints agree over."""
+        return self.store.comm
+
+    def lookup(self, param: torch.Tensor) -> "ParamRecord | None":
+        """The record of ``param`` if it is this model's (adopted into one of its groups), else None."""
+        record = self.store.lookup(param)
+        return record if record is not None and any(record.group is group for group in self.groups) else None
+

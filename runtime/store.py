@@ -46,7 +46,6 @@ from .store_offload import OffloadResources
 from .store_publish import PublishSteps
 from .store_values import forget_values, local_value_chunks, place_master, place_shard, write_local
 from .transfers import TransferTable
-from .units import Unit
 
 __all__ = ["DTYPES", "ParamRecord", "ParamStore", "ZinfStoreError"]
 
@@ -106,7 +105,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
         self._publish_writes: list = []  # (request, pinned staging) of parameter writes in flight
         self._device_publishes: list = []  # copies of updated shards to the device in flight (CopyWork)
         self._grads_to_host: collections.deque = collections.deque()  # gradient copies off the device (CopyWork)
-        self._units: dict[tuple, Unit] = {}  # unit key -> unit (see unit())
         self._transfers = TransferTable()  # every fetch and reduce in flight, each in its state
         # Groups with a hold open (hold_gathers / hold_grads); each group keeps what it holds.
         self._holding_groups: "weakref.WeakSet" = weakref.WeakSet()
@@ -231,7 +229,7 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
             if plan.shard_is_param and read_local is not None:
                 raise ZinfStoreError(f"parameter {name}: a plan whose shard is the parameter's own storage cannot "
                                      f"read its values from a file (plan it with from_file)")
-            group = self.group_of(param) or group or ModelGroup()  # a claim made before wins
+            group = self.group_of(param) or group or ModelGroup(self)  # a claim made before wins
             group.check_mesh(mesh, name)
             if plan.owner is not None:
                 self._owned_bytes_by_rank[plan.owner] = self._owned_bytes_by_rank.get(plan.owner, 0) + plan.numel
@@ -413,8 +411,6 @@ class ParamStore(FetchSteps, GradientSteps, PublishSteps, StoreAccounting, Backg
                     record.swap.forget(key)
         if record.owner is not None:
             self._owned_bytes_by_rank[record.owner] -= record.numel
-        for key in [key for key in self._units if any(uid == record.uid for uid, _ in key)]:
-            del self._units[key]
         record.group.leave(record)
 
     def records(self) -> list[ParamRecord]:

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 
 from .ledger import Ledger
-from .model_group import ModelGroup
+from .model_group import ModelGroup, ModelView
 from .records import tier_memory
 
 
@@ -70,7 +70,7 @@ class StoreAccounting:
         self.collect()
         params = list(params)
         groups = self.groups_of(params)
-        home = groups[0] if groups else ModelGroup()
+        home = groups[0] if groups else ModelGroup(self)
         for param in params:
             if self.group_of(param) is None:
                 self._claimed[id(param)] = (weakref.ref(param, functools.partial(self._forget_claim, id(param))),
@@ -83,6 +83,13 @@ class StoreAccounting:
                     collective_timeout=group.collective_timeout if collective_timeout is _UNSET
                     else collective_timeout)
         return home
+
+    def view_of(self, params: Iterable[torch.Tensor]) -> ModelView:
+        """The model of ``params`` as the top layer sees it (``api.store_of``): claimed (those in no group join
+        the group the others share, else a new one), with every group they are in."""
+        params = list(params)
+        home = self.claim(params)
+        return ModelView(tuple(self.groups_of(params)) or (home,), self)
 
     def group_of(self, param: torch.Tensor) -> ModelGroup | None:
         """The model group ``param`` belongs to (adopted, or claimed before adoption), or None: the one

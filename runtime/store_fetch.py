@@ -21,7 +21,8 @@ from .units import Unit, unit_of
 
 
 class FetchSteps:
-    """The fetch steps of :class:`~.store.ParamStore` (uses its ``_units``, ``_transfers`` and pinned pool).
+    """The fetch steps of :class:`~.store.ParamStore` (uses its ``_transfers`` and pinned pool; units are their
+    model group's).
 
     One state machine for every unit (a whole parameter, a row tile of one, a
     bucket of parameters): nc (NVMe -> pinned buffer), cg (pinned or CPU shard
@@ -34,11 +35,12 @@ class FetchSteps:
         """The unit of ``records`` (a bucket), or of one record's row ``tile``; built once, then cached."""
         records = list(records)
         key = tuple((record.uid, tile) for record in records)
-        unit = self._units.get(key)  # uids never repeat, and _free drops a freed record's units
+        units = records[0].group.units  # (the model's: uids never repeat, and a freed record's units go with it)
+        unit = units.get(key)
         if unit is None:
             if tile is not None and (records[0].tile_rows is None or not 0 <= tile < len(records[0].tile_rows)):
                 raise ZinfStoreError(f"tile {tile} of {records[0].name}, which has tile rows {records[0].tile_rows}")
-            unit = self._units[key] = unit_of(records, tile)
+            unit = units[key] = unit_of(records, tile)
         return unit
 
     @staticmethod

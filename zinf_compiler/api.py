@@ -11,8 +11,8 @@ import contextlib
 
 import torch
 
+from zinf_compiler.runtime.model_group import ModelView
 from zinf_compiler.runtime.process import Runtime
-from zinf_compiler.runtime.store import ParamStore
 from zinf_compiler.runtime.tensor_parallel import local_of
 from zinf_compiler.runtime.tiers import KINDS, TIERS
 from zinf_compiler import tensor_parallel
@@ -24,13 +24,16 @@ RUNTIME = Runtime()
 
 
 
-def store_of(model: torch.nn.Module) -> ParamStore:
-    """The parameter store that holds ``model``'s shards: how code below the entry layer (checkpoint) reaches it.
+def store_of(model: torch.nn.Module) -> ModelView:
+    """``model``'s own state (runtime/model_group.py's ModelView): how the top layer (checkpoints, pipeline
+    stages) reaches it, its parameters claimed for it now if nothing claimed them yet (a load before the compile).
 
-    Today one store holds every model of the process; the lookup is per model
-    so that callers need not change when each model gets its own.
+    Its ``group`` is the model's group (``groups``: every group its parameters are in, one but for a model
+    compiled in parts before anything claimed it whole, or a container of models); ``lookup`` finds only this
+    model's records.  The machinery every model shares (transfers, swap, the pinned pool, the communicator)
+    is its ``store``.
     """
-    return RUNTIME.store
+    return RUNTIME.store.view_of(_unique_params(model))
 
 
 def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -83,9 +83,10 @@ class ZinfPipelineStage(PipelineStage):
         self._grads_held = False  # this step's gradients are summed over its micro-batches (reduce_once)
         self._holding: set = set()  # the model groups whose gathers or gradients this stage holds now
         # The stage's model is part of a whole one: its gradient norm (clip_grad_norm_) spans the pipeline.
-        store = store_of(submodule)
-        model_group = store.claim(unwrap(submodule).parameters())
-        model_group.pipeline = store.comm.subgroup(group)
+        # The stage's model, claimed whole now: one group, which its compile adopts the parameters into.
+        self._view = store_of(submodule)
+        model_group = self._view.group
+        model_group.pipeline = self._view.comm.subgroup(group)
         model_group.stage = (stage_index, num_stages)  # (zinf.save writes each stage into its stage folder)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, *rest, **more):
@@ -102,7 +103,7 @@ class ZinfPipelineStage(PipelineStage):
         the hold."""
         if not last_backward:
             return super().backward_one_chunk(bwd_chunk_id, *args, last_backward=last_backward, **kwargs)
-        store = store_of(self.submod)
+        store = self._view.store
         if self._grads_held:
             store.reduce_held_grads_next(self._holding)
         try:
@@ -120,7 +121,7 @@ class ZinfPipelineStage(PipelineStage):
             return
         records = self._records()
         self._holding = {record.group for record in records}
-        store = store_of(self.submod)
+        store = self._view.store
         offloaded = any(record.param_tier != "device" for record in records)
         if self.gather_once is True or (self.gather_once == "auto" and not offloaded):
             store.hold_gathers(self._holding)
@@ -129,21 +130,20 @@ class ZinfPipelineStage(PipelineStage):
             store.hold_grads(self._holding)
 
     def _end_hold(self) -> None:
-        store = store_of(self.submod)
+        store = self._view.store
         store.end_held_gathers(self._holding)
         store.end_held_grads(self._holding, reduced=False)  # (dropped: what is left belongs to a failed step)
         self._holding, self._grads_held = set(), False
 
     def _records(self) -> list:
-        store = store_of(self.submod)
-        return [record for record in map(store.lookup, unwrap(self.submod).parameters()) if record is not None]
+        return [record for record in map(self._view.lookup, unwrap(self.submod).parameters()) if record is not None]
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """Divide the stage's gradients by ``grad_scale_factor`` (the schedule's micro-batches), wherever
         they are: ``param.grad`` (torch's own division) and zinf's gradient shards."""
         super().scale_grads(grad_scale_factor)
         if grad_scale_factor != 1:
-            store_of(self.submod).scale_grads(self._records(), 1.0 / grad_scale_factor)
+            self._view.store.scale_grads(self._records(), 1.0 / grad_scale_factor)
 
 
 def compile_options(module: torch.nn.Module) -> dict | None:

@@ -13,7 +13,8 @@ from .. import tensor_parallel
 from ..api import store_of, unwrap
 from ..runtime.checkpoint_files import (DTYPES_BY_NAME, SafetensorsWriter, ZinfCheckpointError, fsync_dir,
                                         replace_into_place, write_json_atomic)
-from ..runtime.store import ParamRecord, ParamStore
+from ..runtime.model_group import ModelView
+from ..runtime.store import ParamRecord
 from . import pipeline_layout
 from .model_state import named_buffers, named_params, spanning_meshes
 from .reader import Checkpoint
@@ -44,18 +45,18 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
         raise ValueError(f"zinf.export writes format='safetensors' only, not {format!r}")
     path = os.path.abspath(os.fspath(path))
     model = pipeline_layout.model_of(model)
-    store = store_of(model)
-    store.collect()
-    stage = pipeline_layout.stage_of(store, model)
+    view = store_of(model)
+    view.store.collect()
+    stage = pipeline_layout.stage_of(view, model)
     if stage is None:
-        _export_over(store.comm, store, path, model, dtype, "model.safetensors", write_config=True)
+        _export_over(view.comm, view, path, model, dtype, "model.safetensors", write_config=True)
         return path
     # A pipeline: each stage writes its shard of the whole model's files, and an index names the file of each
     # tensor (transformers' sharded layout, which from_pretrained reads).
-    world = store.comm
-    layout = pipeline_layout.StageLayout(store, model, stage, "export")
+    world = view.comm
+    layout = pipeline_layout.StageLayout(view, model, stage, "export")
     file_name = f"model-{layout.index + 1:05d}-of-{layout.count:05d}.safetensors"
-    written = _export_over(layout.comm, store, path, model, dtype, file_name, write_config=layout.index == 0)
+    written = _export_over(layout.comm, view, path, model, dtype, file_name, write_config=layout.index == 0)
     stages = world.all_gather_object(written if layout.comm.rank == 0 else None, "all_gather of exported names")
     # (Checked on every rank, from what every rank has: an error raised by rank 0 alone would leave the others
     # waiting in the barrier below.)
@@ -75,20 +76,20 @@ def export(path: str | os.PathLike, model: torch.nn.Module, format: str = "safet
     return path
 
 
-def _export_over(comm, store: ParamStore, path: str, model, dtype, file_name: str,
+def _export_over(comm, view: ModelView, path: str, model, dtype, file_name: str,
                  write_config: bool) -> list[tuple[str, int, str]]:
     """:func:`export` over the ranks of ``comm`` (every rank, or a pipeline stage's) into ``path``/``file_name``;
     the (name, bytes, file) of each tensor written.  A stage module's ``whole_name(name)``, if it has one, names
     its tensors as the whole model does."""
     rank = comm.rank
-    spanning_meshes(store, model, "export", comm)  # (export gathers each parameter over its own mesh)
+    spanning_meshes(view, model, "export", comm)  # (export gathers each parameter over its own mesh)
     module = unwrap(model)
     whole_name = getattr(module, "whole_name", lambda name: name)
     named = named_params(module)
     tensors = [(name, param) for name, param in named] + named_buffers(module, {id(p) for _, p in named})
     entries = []
     for name, tensor in tensors:
-        record = store.lookup(tensor)
+        record = view.lookup(tensor)
         shape = tuple(tensor_parallel.global_shape(tensor, record.shape if record is not None else tensor.shape))
         out_dtype = dtype if dtype is not None and tensor.is_floating_point() else (
             record.dtype if record is not None else tensor.dtype)
@@ -99,9 +100,9 @@ def _export_over(comm, store: ParamStore, path: str, model, dtype, file_name: st
         writer = SafetensorsWriter(os.path.join(path, file_name), entries, {"format": "pt"})
     try:
         for (name, tensor), (out_name, out_dtype, _) in zip(tensors, entries):
-            record = store.lookup(tensor)
+            record = view.lookup(tensor)
             if record is not None and record.stage == 3:
-                with _gathered(store, record) as full:  # a collective: every rank, in the same order
+                with _gathered(view, record) as full:  # a collective: every rank, in the same order
                     full = tensor_parallel.full_tensor(tensor, full.view(record.shape))  # (a DTensor: over tp too)
                     if writer is not None:
                         writer.write(out_name, full.to(out_dtype))
@@ -139,14 +140,14 @@ def _save_config(config, path: str) -> None:
 
 
 @contextlib.contextmanager
-def _gathered(store: ParamStore, record: ParamRecord):
+def _gathered(view: ModelView, record: ParamRecord):
     """The full parameter for the block (collective), released after it; never a second full copy."""
-    unit = store.unit([record])
-    store.gather_start(unit)
+    unit = view.store.unit([record])
+    view.store.gather_start(unit)
     try:
-        yield store.gather_wait(unit)[0]
+        yield view.store.gather_wait(unit)[0]
     finally:
-        store.release(unit)
+        view.store.release(unit)
 
 
 def _barrier(comm, what: str) -> None:

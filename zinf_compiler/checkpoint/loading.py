@@ -15,7 +15,7 @@ from .. import tensor_parallel
 from ..api import store_of
 from ..optim import Slot, ZinfOptimizer
 from ..runtime.checkpoint_files import DTYPES_BY_NAME, ZinfCheckpointError, read_checked, read_json_checked
-from ..runtime.store import ParamStore
+from ..runtime.model_group import ModelView
 from . import pipeline_layout
 from .format import COMMIT_MARKER, set_rng_state, tupled
 from .model_state import (check_optimizer, counts_steps, model_mesh, named_buffers, named_params, sharded, tp_mesh_of,
@@ -53,24 +53,24 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """
     path = os.path.abspath(os.fspath(path))
     model = pipeline_layout.model_of(model)
-    store = store_of(model)
-    store.collect()
-    stage = pipeline_layout.stage_of(store, model)
+    view = store_of(model)
+    view.store.collect()
+    stage = pipeline_layout.stage_of(view, model)
     if stage is not None:
-        return _load_pipeline(store, path, model, optimizer, weights_only, stage)
+        return _load_pipeline(view, path, model, optimizer, weights_only, stage)
     if pipeline_layout.is_pipelined(path):
         layout = pipeline_layout.read_top_meta(path)["pipeline"]
         raise ZinfCheckpointError(
             f"{path} is the checkpoint of a pipeline ({pipeline_layout.describe(layout)}): load it into the "
             f"pipeline's stages (each rank zinf.load(path, its stage's model, ...) once its ZinfPipelineStage is "
             f"built), or read one stage's model from its folder {pipeline_layout.stage_folder(path, 0)}, ...")
-    return _load_over(store.comm, store.comm, store, path, model, optimizer, weights_only)
+    return _load_over(view.comm, view.comm, view, path, model, optimizer, weights_only)
 
 
-def _load_pipeline(store: ParamStore, path: str, model, optimizer, weights_only: bool, stage: tuple[int, int]):
+def _load_pipeline(view: ModelView, path: str, model, optimizer, weights_only: bool, stage: tuple[int, int]):
     """Each stage loads its folder over its own ranks; every check of every stage is agreed first."""
-    world = store.comm
-    layout = pipeline_layout.StageLayout(store, model, stage, "load")
+    world = view.comm
+    layout = pipeline_layout.StageLayout(view, model, stage, "load")
     extra, error = None, None
     try:
         top = pipeline_layout.read_top_meta(path)
@@ -88,15 +88,15 @@ def _load_pipeline(store: ParamStore, path: str, model, optimizer, weights_only:
     errors = world.all_gather_object(error, "all_gather of checkpoint layout checks (pipeline load)")
     if any(errors):
         raise ZinfCheckpointError(next(message for message in errors if message))
-    _load_over(layout.comm, world, store, pipeline_layout.stage_folder(path, layout.index), model, optimizer,
+    _load_over(layout.comm, world, view, pipeline_layout.stage_folder(path, layout.index), model, optimizer,
                weights_only)
     return extra
 
 
-def _load_over(comm, everyone, store: ParamStore, path: str, model, optimizer, weights_only: bool) -> Any:
+def _load_over(comm, everyone, view: ModelView, path: str, model, optimizer, weights_only: bool) -> Any:
     """:func:`load` over the ranks of ``comm`` (every rank, or a pipeline stage's), every check agreed over the
     ranks of ``everyone`` before anything changes (a pipeline's other stages load other folders)."""
-    mesh = model_mesh(store, model, "load", comm)
+    mesh = model_mesh(view, model, "load", comm)
     try:
         checkpoint = Checkpoint(path)
         error = None
@@ -110,7 +110,7 @@ def _load_over(comm, everyone, store: ParamStore, path: str, model, optimizer, w
     problem = None
     try:
         checkpoint.verify(comm)
-        _check_matches(store, checkpoint, model, optimizer)
+        _check_matches(view, checkpoint, model, optimizer)
         meta = checkpoint.meta
         extra = _read_extra(path, meta["extra"], weights_only) if "extra" in meta else None
     except ZinfCheckpointError as err:
@@ -127,7 +127,7 @@ def _load_over(comm, everyone, store: ParamStore, path: str, model, optimizer, w
     if problem is not None:
         checkpoint.close()
         raise problem
-    _load_model(store, checkpoint, model)
+    _load_model(view, checkpoint, model)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
             for key, value in saved.items():
@@ -135,16 +135,14 @@ def _load_over(comm, everyone, store: ParamStore, path: str, model, optimizer, w
                     group[key] = tupled(value) if isinstance(value, list) else value
         optimizer.zero_grad()
         optimizer.attach_state(_SavedOptimizerState(checkpoint, {id(p): name for name, p in named_params(model)},
-                                                    store))
+                                                    view))
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if optimizer.bound or all(store.lookup(p) is not None for p in params):
+        if optimizer.bound or all(view.lookup(p) is not None for p in params):
             optimizer.bind()  # the binding is final: apply the state now
     else:
         checkpoint.close()
-    # Into this model's groups (one made now for the parameters in none yet: they join it when adopted).
-    model_params = [param for _, param in named_params(model)]
-    store.claim(model_params)
-    for group in store.groups_of(model_params):
+    # Into this model's groups (store_of claimed the parameters in none yet: they join it when adopted).
+    for group in view.groups:
         group.fp16_scaler.load_state(meta["fp16_scaler"])
     # RNG states: restored into the layout that saved them, each rank its own file's.
     tp_mesh = tp_mesh_of(model)
@@ -186,7 +184,7 @@ def _read_extra(folder: str, described: dict, weights_only: bool) -> Any:
                                   f"{err})") from err
 
 
-def _check_matches(store: ParamStore, checkpoint: Checkpoint, model, optimizer) -> None:
+def _check_matches(view: ModelView, checkpoint: Checkpoint, model, optimizer) -> None:
     meta = checkpoint.meta
     named = named_params(model)
     saved = meta["params"]
@@ -201,7 +199,7 @@ def _check_matches(store: ParamStore, checkpoint: Checkpoint, model, optimizer) 
                         f"{' ...' if len(unexpected) > 8 else ''}")
     shapes = []
     for name, param in named:
-        record = store.lookup(param)
+        record = view.lookup(param)
         shape = list(tensor_parallel.global_shape(param, record.shape if record is not None else param.shape))
         if name in saved and saved[name]["shape"] != shape:
             shapes.append(f"{name} has shape {tuple(shape)}, the checkpoint {tuple(saved[name]['shape'])}")
@@ -237,21 +235,21 @@ def _check_matches(store: ParamStore, checkpoint: Checkpoint, model, optimizer) 
 
 
 @torch.no_grad()
-def _load_model(store: ParamStore, checkpoint: Checkpoint, model) -> None:
+def _load_model(view: ModelView, checkpoint: Checkpoint, model) -> None:
     named = named_params(model)
     records = []
     for name, param in named:
-        record = store.lookup(param)
+        record = view.lookup(param)
         if sharded(record):
             records.append(record)
             if record.stage == 3:
-                store.assign_local(record, checkpoint.read_local(record, param, name, "value", record.holding_dtype))
+                view.store.assign_local(record, checkpoint.read_local(record, param, name, "value", record.holding_dtype))
                 continue
             # Stages 1-2: the full parameter is in memory anyway; the master takes the saved fp32 values.
             full = checkpoint.read_full(name, "value", record.numel, record.holding_dtype)
             param.data.copy_(full.view(record.shape))
-            store.assign_full(record, full.view(record.shape))
-            store.mark_synced(record)
+            view.store.assign_full(record, full.view(record.shape))
+            view.store.mark_synced(record)
         elif tensor_parallel.layout_of(param) is not None:  # (not adopted yet) its TP-local slice of the whole
             local = tensor_parallel.local_of(param)
             local.copy_(checkpoint.read_ranges(name, "value", tensor_parallel.global_ranges(
@@ -260,7 +258,7 @@ def _load_model(store: ParamStore, checkpoint: Checkpoint, model) -> None:
             full = checkpoint.read_full(name, "value", param.numel(), param.dtype)
             param.copy_(full.view(param.shape))
         param.grad = None
-    store.drop_grads(records)
+    view.store.drop_grads(records)
     for name, buffer in named_buffers(model, {id(p) for _, p in named}):
         buffer.copy_(checkpoint.read_full(name, "buffer", buffer.numel(), buffer.dtype).view(buffer.shape))
 
@@ -268,22 +266,22 @@ def _load_model(store: ParamStore, checkpoint: Checkpoint, model) -> None:
 class _SavedOptimizerState:
     """A checkpoint's optimizer state, handed to the optimizer by :func:`load` (``ZinfOptimizer.attach_state``).
 
-    The optimizer applies it when it binds to the store's shards (again if it
+    The optimizer applies it when it binds to the view's shards (again if it
     binds anew before its first step: parameters adopted after the load), and
     closes it at its first step.
     """
 
-    def __init__(self, checkpoint: Checkpoint, names: dict[int, str], store: ParamStore):
+    def __init__(self, checkpoint: Checkpoint, names: dict[int, str], view: ModelView):
         self.checkpoint = checkpoint
         self.names = names  # each parameter's name in the checkpoint, by id(param)
-        self.store = store
+        self.view = view
 
     @torch.no_grad()
     def apply(self, optimizer: ZinfOptimizer) -> None:
         """Give a bound optimizer the checkpoint's state for its slots, in this run's layout.
 
         Masters of sharded parameters are written again from the saved fp32
-        values, through the store wherever they rest (a parameter adopted after
+        values, through the view wherever they rest (a parameter adopted after
         :func:`load` took them from the full tensor, which may be lower
         precision); the moments and step counts go through
         :meth:`ZinfOptimizer.load_state`.
@@ -292,7 +290,7 @@ class _SavedOptimizerState:
             if sharded(slot.record):
                 value = self.checkpoint.read_local(slot.record, slot.param, self.names[id(slot.param)], "value",
                                                    slot.record.holding_dtype)
-                self.store.assign_local(slot.record, value)
+                self.view.store.assign_local(slot.record, value)
         optimizer.load_state((slot, self._slot_state(slot)) for slot in optimizer.slots())
 
     def close(self) -> None:

@@ -8,21 +8,22 @@ from .. import tensor_parallel
 from ..api import unwrap
 from ..optim import ZinfOptimizer
 from ..runtime.checkpoint_files import ZinfCheckpointError
-from ..runtime.store import ParamRecord, ParamStore
+from ..runtime.model_group import ModelView
+from ..runtime.store import ParamRecord
 
 
-def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str, comm=None) -> dict:
+def spanning_meshes(view: ModelView, model: torch.nn.Module, what: str, comm=None) -> dict:
     """The meshes the model's sharded parameters use: ``{None or id(mesh): (a parameter's name, mesh or None)}``
     (None: the default group's ranks).  A mesh over only some of the ranks is refused naming the parameter:
     all ranks call save, load and export.  A tensor-parallel model's data-parallel mesh (``mesh["dp"]``) spans
     every rank together with its tp mesh.  ``comm``: the ranks that save (default every rank; a pipeline
     stage's)."""
-    comm = comm or store.comm
+    comm = comm or view.comm
     meshes = {}
     tp_mesh = tp_mesh_of(model)
     tp_size = tp_mesh.size() if tp_mesh is not None else 1
     for _, param in named_params(model):
-        record = store.lookup(param)
+        record = view.lookup(param)
         if record is None:
             continue
         if record.mesh.is_default:
@@ -42,14 +43,14 @@ def spanning_meshes(store: ParamStore, model: torch.nn.Module, what: str, comm=N
     return meshes
 
 
-def model_mesh(store: ParamStore, model: torch.nn.Module, what: str, comm=None):
+def model_mesh(view: ModelView, model: torch.nn.Module, what: str, comm=None):
     """The one mesh the model's parameters are sharded over (None: the default group's ranks).
 
     Checkpoint files are numbered by the ranks of that one mesh: parameters
     sharded over different ones (or some over a mesh, some over every rank)
     are refused naming two of them.
     """
-    meshes = spanning_meshes(store, model, what, comm)
+    meshes = spanning_meshes(view, model, what, comm)
     if len(meshes) > 1:
         (first, mesh), (second, other) = list(meshes.values())[:2]
         describe = lambda m: m.describe() if m is not None else "every rank"  # noqa: E731

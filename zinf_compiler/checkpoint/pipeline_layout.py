@@ -28,9 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..api import unwrap
 from ..runtime.checkpoint_files import ZinfCheckpointError
-from ..runtime.store import ParamStore
+from ..runtime.model_group import ModelView
 from .format import FORMAT
 from .model_state import tp_mesh_of
 from .reader import read_committed_meta
@@ -50,9 +49,9 @@ def model_of(model):
     return getattr(model, "submod", model) if not isinstance(model, torch.nn.Module) else model
 
 
-def stage_of(store: ParamStore, model: torch.nn.Module) -> tuple[int, int] | None:
+def stage_of(view: ModelView, model: torch.nn.Module) -> tuple[int, int] | None:
     """``(stage index, number of stages)`` of a pipeline stage's model (None: not a stage)."""
-    stages = {group.stage for group in store.groups_of(unwrap(model).parameters()) if group.stage is not None}
+    stages = {group.stage for group in view.groups if group.stage is not None}
     if len(stages) > 1:
         raise ZinfCheckpointError(f"the model's parameters belong to several pipeline stages {sorted(stages)}; "
                                   f"save and load each stage's model")
@@ -63,8 +62,8 @@ class StageLayout:
     """Where every rank's stage lies: ``stages[rank]``, the stage of each global rank, and ``comm``, this stage's
     ranks' Comm (the stage folder's), and ``describe`` for messages: ``pp 2 x (tp 2 x dp 2)``."""
 
-    def __init__(self, store: ParamStore, model: torch.nn.Module, stage: tuple[int, int], what: str):
-        world = store.comm
+    def __init__(self, view: ModelView, model: torch.nn.Module, stage: tuple[int, int], what: str):
+        world = view.comm
         tp_mesh = tp_mesh_of(model)
         tp = tp_mesh.size() if tp_mesh is not None else 1
         index, count = stage

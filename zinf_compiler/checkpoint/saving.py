@@ -19,7 +19,7 @@ from ..module_paths import names_by_tensor
 from ..optim import Slot, StreamedState, ZinfOptimizer
 from ..runtime.checkpoint_files import (DTYPE_NAMES, ChecksummedWriter, ZinfCheckpointError, create_new, fsync_dir,
                                         replace_into_place, write_file_atomic, write_json_atomic)
-from ..runtime.store import ParamStore
+from ..runtime.model_group import ModelView
 from . import pipeline_layout
 from .format import COMMIT_MARKER, FORMAT, hyper, rng_state, tensor_chunks, write_ranges
 from .model_state import check_optimizer, model_mesh, named_buffers, named_params, sharded, tp_mesh_of, tp_meta
@@ -44,20 +44,20 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """
     path = os.path.abspath(os.fspath(path))
     model = pipeline_layout.model_of(model)
-    store = store_of(model)
-    store.collect()
-    stage = pipeline_layout.stage_of(store, model)
+    view = store_of(model)
+    view.store.collect()
+    stage = pipeline_layout.stage_of(view, model)
     if stage is not None:
-        return _save_pipeline(store, path, model, optimizer, extra, stage)
-    return _save_over(store.comm, store, path, model, optimizer, extra)
+        return _save_pipeline(view, path, model, optimizer, extra, stage)
+    return _save_over(view.comm, view, path, model, optimizer, extra)
 
 
-def _save_over(comm, store: ParamStore, path: str, model, optimizer, extra) -> str:
+def _save_over(comm, view: ModelView, path: str, model, optimizer, extra) -> str:
     """:func:`save` over the ranks of ``comm`` (every rank, or a pipeline stage's)."""
     rank = comm.rank
     # The files are numbered by shard rank.  With replicas (HSDP) every replica holds the same
     # shards: the first writes them, the others only take part in the agreement.
-    mesh = model_mesh(store, model, "save", comm)
+    mesh = model_mesh(view, model, "save", comm)
     tp_mesh = tp_mesh_of(model)
     tp_rank = 0
     if tp_mesh is not None:
@@ -79,7 +79,7 @@ def _save_over(comm, store: ParamStore, path: str, model, optimizer, extra) -> s
     written = None  # (manifest, its CRC32, data bytes) of a rank that writes
     try:
         if writes:
-            manifest = _write_rank(store, staging, file_rank, model, optimizer, tp_rank)
+            manifest = _write_rank(view, staging, file_rank, model, optimizer, tp_rank)
             manifest_name = f"rank-{file_rank:05d}.json"
             manifest_crc = write_json_atomic(os.path.join(staging, manifest_name), manifest)
             written = (manifest_name, manifest_crc, manifest["data"]["bytes"])
@@ -96,7 +96,7 @@ def _save_over(comm, store: ParamStore, path: str, model, optimizer, extra) -> s
     committed = None
     if rank == 0:
         try:
-            _commit(store, staging, path, model, optimizer, extra, world_size,
+            _commit(view, staging, path, model, optimizer, extra, world_size,
                     {written[0]: written[1] for written, _ in outcomes if written is not None}, mesh, tp_mesh)
         except Exception as err:  # the other ranks wait for the outcome, not for a barrier that never comes
             _remove(staging, quiet=True)
@@ -112,15 +112,15 @@ def _save_over(comm, store: ParamStore, path: str, model, optimizer, extra) -> s
     return path
 
 
-def _save_pipeline(store: ParamStore, path: str, model, optimizer, extra, stage: tuple[int, int]) -> str:
+def _save_pipeline(view: ModelView, path: str, model, optimizer, extra, stage: tuple[int, int]) -> str:
     """Every stage saves its model into its stage folder of ``<path>.partial`` over its own ranks; every rank then
     agrees, and global rank 0 writes ``extra``, the layout's meta.json and COMMITTED and publishes the folder."""
-    world = store.comm
-    layout = pipeline_layout.StageLayout(store, model, stage, "save")
+    world = view.comm
+    layout = pipeline_layout.StageLayout(view, model, stage, "save")
     staging = _prepare_staging(world, path)
     failure, outcome = None, None
     try:
-        _save_over(layout.comm, store, pipeline_layout.stage_folder(staging, layout.index), model, optimizer, None)
+        _save_over(layout.comm, view, pipeline_layout.stage_folder(staging, layout.index), model, optimizer, None)
     except Exception as err:  # the other stages must hear of it
         outcome, failure = f"stage {layout.index}: {err}", err  # (the same on each of the stage's ranks)
     outcomes = world.all_gather_object(outcome, "all_gather of checkpoint outcomes (pipeline save)")
@@ -169,10 +169,10 @@ def _write_extra(folder: str, extra) -> dict:
     return {"file": "extra.pt", "crc32": _file_crc(extra_path)}
 
 
-def _commit(store: ParamStore, staging: str, path: str, model, optimizer, extra, world_size: int,
+def _commit(view: ModelView, staging: str, path: str, model, optimizer, extra, world_size: int,
             manifests: dict[str, int], mesh, tp_mesh) -> None:
     """Rank 0: write ``extra``, ``meta.json`` and the commit marker into ``staging``, then publish it at ``path``."""
-    meta = _meta(store, model, optimizer, world_size, manifests)
+    meta = _meta(view, model, optimizer, world_size, manifests)
     if tp_mesh is not None:
         # Said for the reader: RNG states are restored only into the same layout.
         meta["tp"] = tp_meta(tp_mesh, world_size)
@@ -241,17 +241,17 @@ def _publish(staging: str, path: str) -> None:
     _remove(old, quiet=True)
 
 
-def _write_rank(store: ParamStore, staging: str, rank: int, model, optimizer, tp_rank: int = 0) -> dict:
+def _write_rank(view: ModelView, staging: str, rank: int, model, optimizer, tp_rank: int = 0) -> dict:
     writer = ChecksummedWriter(os.path.join(staging, f"rank-{rank:05d}.bin"))
     entries, scalars = [], {}
     try:
         named = named_params(model)
         for name, param in named:
-            record = store.lookup(param)
+            record = view.lookup(param)
             if tp_rank and not tensor_parallel.holds_own_slice(param):
                 continue
             if sharded(record):
-                pieces = write_ranges(writer, store.local_value_chunks(record),
+                pieces = write_ranges(writer, view.store.local_value_chunks(record),
                                       tensor_parallel.global_ranges(param, record.owned_ranges()))
                 dtype = record.holding_dtype
             elif rank == 0:
@@ -313,12 +313,12 @@ def _optimizer_state(optimizer: ZinfOptimizer, slot: Slot, rank: int):
             yield kind, value.dtype, tensor_chunks(value.reshape(-1)), [(0, value.numel(), 0)], None
 
 
-def _meta(store: ParamStore, model, optimizer, world_size: int, manifests: dict[str, int]) -> dict:
+def _meta(view: ModelView, model, optimizer, world_size: int, manifests: dict[str, int]) -> dict:
     named = named_params(model)
     aliases = names_by_tensor(model)
     params = {}
     for name, param in named:
-        record = store.lookup(param)
+        record = view.lookup(param)
         layout = None
         if record is not None:
             layout = {"stage": record.stage, "partition": record.partition,
@@ -332,9 +332,8 @@ def _meta(store: ParamStore, model, optimizer, world_size: int, manifests: dict[
                for name, b in named_buffers(model, {id(p) for _, p in named})}
     meta = {"format": FORMAT, "world_size": world_size, "params": params, "buffers": buffers,
             "manifests": manifests, "saved_at": time.time(),
-            # This model's loss scale (its groups', kept in step by its optimizer); read only, nothing is claimed.
-            "fp16_scaler": combined_scaler_state(group.fp16_scaler
-                                                 for group in store.groups_of(param for _, param in named)),
+            # This model's loss scale (its groups', kept in step by its optimizer).
+            "fp16_scaler": combined_scaler_state(group.fp16_scaler for group in view.groups),
             "optimizer": None}
     if optimizer is not None:
         names = {id(p): name for name, p in named}
