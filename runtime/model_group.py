@@ -32,11 +32,8 @@ import torch
 from .ledger import Ledger, ZinfStoreError
 
 if TYPE_CHECKING:
-    # (records.py and units.py import this module: ParamRecord and Unit are named, not imported)
+    # (records.py and the store import this module: ParamRecord, ParamStore and Unit are named, not imported)
     from .comm import Comm, MeshComm
-    from .records import ParamRecord
-    from .store import ParamStore
-    from .units import Unit
 
 _group_numbers = itertools.count()
 
