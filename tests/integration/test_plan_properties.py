@@ -19,20 +19,15 @@ import dataclasses
 import gc
 import os
 
+import profiles
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import zinf_compiler as zinf
 from zinf_compiler.api import RUNTIME
 
-settings.register_profile("quick", max_examples=3, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("thorough", max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
+profiles.load()  # (tests/support/profiles.py: 3 drawn cases, 8 with --all, 60 thorough)
 
 SLACK = 64  # bytes per parameter: the optimizer's step counters, which the plan leaves out
 TIERS = ("none", "cpu", "nvme")

@@ -18,28 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
+import profiles
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from usage import Pair, loss_of, train_interleaved
 
 import zinf_compiler as zinf
-from usage import Pair, loss_of, train_interleaved
 
 # Both properties run only in the whole suite (each drawn case compiles with Inductor: about a minute each);
 # the usage patterns they mix run by default in test_usage_patterns.py.
 pytestmark = pytest.mark.slow
 # quick (the default: pytest -m slow on this file): 3 drawn cases per property; ci: 8 (run_tests.sh --all sets
-# it); HYPOTHESIS_PROFILE=thorough draws 60.
-settings.register_profile("quick", max_examples=3, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("thorough", max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
+# it); HYPOTHESIS_PROFILE=thorough draws 60 (tests/support/profiles.py).
+profiles.load()
 
 WIDTH = 8
 BREAK_PLACES = ("start", "middle", "end")
