@@ -67,7 +67,9 @@ def _budgets(store, options: ZinfOptions) -> PlanBudgets:
     records = store.records()
     host_memory = (None if options.host_memory is None else
                    budget_bytes(options.host_memory, available_bytes(), ranks_on_node()))
-    return PlanBudgets(grad_ram_left=store.grad_ram_left(options.nvme_grad_ram_bytes),
+    # (The gradient RAM budget is read only where gradients may rest on NVMe: "auto" is fixed at its first reading.)
+    grad_ram_left = store.grad_ram_left(options.nvme_grad_ram_bytes) if options.offload_optimizer == "nvme" else 0
+    return PlanBudgets(grad_ram_left=grad_ram_left,
                        owned_numel_by_rank=store.owned_numel_by_rank(), host_memory=host_memory,
                        cache_held_bytes=ram_cache.held_by_records(records) if cache else 0,
                        cache_states_bytes=ram_cache.states_held_by_records(records) if cache else 0,

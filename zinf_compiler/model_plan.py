@@ -106,14 +106,6 @@ class ModelPlan:
     early_step_grads: int
     pinned: Mapping[str, int]  # consumer -> bytes of the pinned pool it needs (runtime/pool_sizes.py)
 
-    def tier_total(self, tier: str) -> int:
-        """Bytes on ``tier`` of every kind."""
-        return sum(self.memory[tier].values())
-
-    def plan_named(self, name: str) -> ParamPlan:
-        """The plan of the parameter planned as ``name``."""
-        return self.plans[self.names.index(name)]
-
 
 def plan_model(params: Sequence[PlannedParam], options: ZinfOptions, *, world_size: int, rank: int,
                device: torch.device, budgets: PlanBudgets = PlanBudgets(), first_uid: int = 0) -> ModelPlan:
