@@ -57,6 +57,11 @@ LEGAL_TRANSITIONS: dict[tuple[GradState, GradState], tuple[str, ...]] = {
 }
 
 
+# The same as (from, to, move) triples: one lookup per move (a step makes a few per parameter).
+_LEGAL_MOVES = frozenset((source, target, move) for (source, target), moves in LEGAL_TRANSITIONS.items()
+                         for move in moves)
+
+
 class ZinfGradStateError(ZinfStoreError):
     """A gradient was asked to move in a way its state machine does not allow."""
 
@@ -77,7 +82,7 @@ class Gradient:
         self._tiles: tuple[torch.Tensor, set] | None = None  # an nvme tiled parameter's tiles of this backward
 
     def _move(self, move: str, target: GradState) -> None:
-        if move not in LEGAL_TRANSITIONS.get((self._state, target), ()):
+        if (self._state, target, move) not in _LEGAL_MOVES:
             raise ZinfGradStateError(f"the gradient of {self.name} cannot {move} from {self._state.value} to "
                                      f"{target.value}")
         self._state = target
@@ -218,7 +223,9 @@ class Gradient:
     def drop(self) -> tuple[int, bool, int]:
         """Discard the gradient, whatever its state (NONE after): returns ``(shard bytes in memory, whether
         its swap files may exist, tile buffer bytes)`` so that the caller gives them back."""
-        if self.state is GradState.ARRIVING:
+        if self._state is GradState.NONE and self._tiles is None:
+            return 0, False, 0  # (zero_grad on a parameter that got no gradient: the common case, kept short)
+        if self._state is GradState.ARRIVING:
             self.landed()  # (a copy in flight still writes into the shard)
         shard_bytes, had_files = self.shard_bytes, self.on_disk
         tile_bytes = 0 if self._tiles is None else self._tiles[0].numel() * 4

@@ -124,7 +124,7 @@ class GradientSteps:
             return
         grad_device = record.device if record.opt_tier == "device" else torch.device("cpu")
         whole = (start, stop) == (0, record.local_numel)
-        if not gradient:
+        if gradient.state is GradState.NONE:
             if private and whole and reduced.dtype == torch.float32 and reduced.device == grad_device:
                 gradient.start(reduced)  # already a copy of our own, in fp32 where the optimizer steps
             elif whole and reduced.is_cuda and grad_device.type == "cpu":
