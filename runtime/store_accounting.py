@@ -11,6 +11,7 @@ import torch
 from .ledger import Ledger
 from .model_group import ModelGroup, ModelView
 from .records import tier_memory
+from .tensor_parallel import local_of
 
 
 _UNSET = object()  # "not given": None is a value (no limit, no timeout)
@@ -71,7 +72,7 @@ class StoreAccounting:
         params = list(params)
         groups = self.groups_of(params)
         home = groups[0] if groups else ModelGroup(self)
-        for param in params:
+        for param in map(local_of, params):  # (a DTensor's record is its local tensor's: so is its claim)
             if self.group_of(param) is None:
                 self._claimed[id(param)] = (weakref.ref(param, functools.partial(self._forget_claim, id(param))),
                                             home)
@@ -97,6 +98,7 @@ class StoreAccounting:
         record = self.lookup(param)
         if record is not None:
             return record.group
+        param = local_of(param)
         entry = self._claimed.get(id(param))
         if entry is not None and entry[0]() is param:
             return entry[1]

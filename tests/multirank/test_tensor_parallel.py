@@ -36,6 +36,7 @@ def test_tp_by_dp_stage3_equals_eager_and_holds_a_quarter():
     results = run_ranks(4, "tp_worker", {"mesh": "dp", "steps": 3}, timeout=300)
     _assert_equals_eager(results)
     for result in results:  # (padding: each rank's shard of a dp-sharded TP slice rounds up)
+        assert (result["model_groups"], result["unfound"]) == (1, []), result
         assert result["memory_params"] <= result["model_bytes"] / 4 + 256, result
 
 

@@ -94,6 +94,11 @@ def main():
             result["zinf_params"] = {name: (param.to_local() if isinstance(param, DTensor) else param).tolist()
                                      for name, param in model.named_parameters()}
         result["zinf_full"] = {name: value.tolist() for name, value in zinf.full_state_dict(model).items()}
+        # One model, one group: the optimizer claimed the DTensor parameters before the compile adopted their
+        # local tensors (a claim keyed by the DTensor put each graph's records in a group of their own).
+        view = zinf.api.store_of(model)
+        result["model_groups"] = len(view.groups)
+        result["unfound"] = [name for name, param in model.named_parameters() if view.lookup(param) is None]
         report = zinf.memory_report(model)
         result["memory_params"] = report["device"]["params"] + report["cpu"]["params"]
         result["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())  # (global sizes)
