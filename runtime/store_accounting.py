@@ -95,10 +95,10 @@ class StoreAccounting:
     def group_of(self, param: torch.Tensor) -> ModelGroup | None:
         """The model group ``param`` belongs to (adopted, or claimed before adoption), or None: the one
         documented way from a parameter to its model."""
+        param = local_of(param)  # (a DTensor's record and claim are its local tensor's)
         record = self.lookup(param)
         if record is not None:
             return record.group
-        param = local_of(param)
         entry = self._claimed.get(id(param))
         if entry is not None and entry[0]() is param:
             return entry[1]
