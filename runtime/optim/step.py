@@ -11,7 +11,7 @@ import torch
 
 from ..aio import AioError
 from .early_host_adam import EarlyHostAdam
-from ..host_memory import available_bytes
+from ..host_memory import available_bytes, pages_kept
 from ..store import ParamStore
 
 from .state import Slot
@@ -24,17 +24,18 @@ PUBLISH_CHUNK_BYTES = 32 << 20
 def host_memory_bounded(records) -> bool:
     """Whether the step's end should give freed host memory back to the OS (``malloc_trim``).
 
-    Yes where host memory holds less than the model (a tier on NVMe) or is a
-    staging area beside an accelerator's (cpu tiers off a CPU device).  Not
-    where the compute device is the CPU and nothing rests on NVMe: the pages
-    freed by a step are the next step's gathers and gradients, and trimming
-    them costs a page fault per page again every step, for a peak that stays
-    the same (benchmarks/RESULTS.md, 2026-11-25: with the inline gather copy
-    of runtime/copy_engine.py, the cpu tier's GPT step at world size 1 went
-    from 0.550 s to 0.402 s, equal to the step without offload).
+    Yes where host memory is a staging area beside an accelerator's (a cpu
+    or NVMe tier off a CPU device), and where an NVMe tier bounds a CPU
+    device's host memory while glibc's heap keeps its defaults (a host_memory
+    budget: see zinf_compiler/adoption.py).  Not where the compute device is
+    the CPU otherwise: the pages freed by a step are the next step's gathers
+    and gradients, and trimming them costs a page fault per page again every
+    step (benchmarks/RESULTS.md, 2026-11-25: the cpu tier's GPT step at world
+    size 1 went from 0.550 s to 0.402 s; 2026-12-03: the NVMe tier's at world
+    2 with runtime/host_memory.py's kept pages, from 4.85 to 4.43 s).
     """
-    return any(r.param_tier == "nvme" or r.opt_tier == "nvme"
-               or (r.device.type != "cpu" and (r.param_tier != "device" or r.opt_tier != "device"))
+    return any((r.device.type != "cpu" and (r.param_tier != "device" or r.opt_tier != "device"))
+               or (r.device.type == "cpu" and "nvme" in (r.param_tier, r.opt_tier) and not pages_kept())
                for r in records)
 
 

@@ -5,8 +5,10 @@
   on the worker thread otherwise (copies next to NVMe reads always take the
   worker).
 * ``runtime/optim/step.host_memory_bounded``: the optimizer step gives freed host memory
-  back to the OS where host memory is bounded (NVMe tiers, cpu tiers beside an
-  accelerator), not for a model trained on the CPU from memory.
+  back to the OS where host memory is a staging area beside an accelerator (cpu and
+  NVMe tiers), and for an NVMe tier on a CPU device under glibc's own thresholds (a
+  host_memory budget); not for a model trained on the CPU otherwise, whose next step
+  reuses the pages (``runtime/host_memory.keep_freed_pages`` keeps them mapped for it).
 """
 
 from __future__ import annotations
@@ -89,16 +91,88 @@ def _record(param_tier: str, opt_tier: str, device: str = "cpu"):
     return types.SimpleNamespace(param_tier=param_tier, opt_tier=opt_tier, device=torch.device(device))
 
 
-@pytest.mark.parametrize("records, bounded", [
-    ([_record("device", "device")], False),
-    ([_record("cpu", "cpu")], False),  # a CPU device: the cpu tier is the compute's own memory
-    ([_record("cpu", "cpu"), _record("device", "device")], False),
-    ([_record("nvme", "cpu")], True),
-    ([_record("cpu", "nvme")], True),
-    ([_record("device", "device"), _record("nvme", "nvme")], True),  # one NVMe tier is enough
-    ([_record("cpu", "cpu", "cuda")], True),  # host memory beside an accelerator's
-    ([_record("device", "cpu", "cuda")], True),
-    ([_record("device", "device", "cuda")], False),
+@pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("records, bounded_kept, bounded_default", [
+    ([_record("device", "device")], False, False),
+    ([_record("cpu", "cpu")], False, False),  # a CPU device: the cpu tier is the compute's own memory
+    ([_record("cpu", "cpu"), _record("device", "device")], False, False),
+    ([_record("nvme", "cpu")], False, True),  # a CPU device: trimmed only where the heap keeps glibc's defaults
+    ([_record("cpu", "nvme")], False, True),
+    ([_record("device", "device"), _record("nvme", "nvme")], False, True),  # one NVMe tier is enough
+    ([_record("nvme", "nvme", "cuda")], True, True),
+    ([_record("cpu", "cpu", "cuda")], True, True),  # host memory beside an accelerator's
+    ([_record("device", "cpu", "cuda")], True, True),
+    ([_record("device", "device", "cuda")], False, False),
 ])
-def test_the_step_trims_host_memory_only_where_it_is_bounded(records, bounded):
-    assert host_memory_bounded(records) is bounded
+def test_the_step_trims_host_memory_only_where_it_is_bounded(monkeypatch, kept, records, bounded_kept,
+                                                             bounded_default):
+    monkeypatch.setattr("zinf_compiler.runtime.optim.step.pages_kept", lambda: kept)
+    assert host_memory_bounded(records) is (bounded_kept if kept else bounded_default)
+
+
+_REUSE_SCRIPT = """
+import resource, sys, torch
+from zinf_compiler.runtime import host_memory
+kept = host_memory.keep_freed_pages()
+def faults_of_a_fresh_bucket():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    bucket = torch.empty(64 * 1024**2 // 4)  # a gathered bucket of the default bucket_bytes
+    bucket.fill_(1.0)
+    del bucket
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_a_fresh_bucket()  # the first one maps its pages
+print(kept, faults_of_a_fresh_bucket())
+"""
+
+
+def _second_bucket(env_extra: dict) -> tuple[bool, int]:
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    out = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT], env={**env, **env_extra}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@pytest.mark.skipif(__import__("zinf_compiler.runtime.host_memory", fromlist=["_"])._mallopt is None,
+                    reason="not glibc: no mallopt, and the heap's thresholds are left as they are")
+def test_kept_heap_pages_serve_the_next_steps_bucket_without_faults():
+    """A 64 MiB bucket freed and allocated again: glibc's default maps it afresh (a fault per page, 16k), the kept
+    heap reuses its pages; the user's own malloc settings leave glibc as it is."""
+    kept, faults = _second_bucket({})
+    assert kept and faults < 1000, faults
+    kept, faults = _second_bucket({"MALLOC_ARENA_MAX": "2", "MALLOC_TOP_PAD_": "0"})
+    assert not kept and faults > 8000, faults
+
+
+_ADOPTION_SCRIPT = """
+import json, sys, torch
+import zinf_compiler
+from zinf_compiler.runtime import host_memory
+options = json.loads(sys.argv[1])
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+compiled = torch.compile(model, backend="zinf", options=options)
+opt = zinf_compiler.optim.AdamW(model.parameters(), lr=1e-3)
+compiled(torch.randn(8, 32)).square().mean().backward()
+opt.step()
+print(host_memory.pages_kept())
+"""
+
+
+@pytest.mark.skipif(__import__("zinf_compiler.runtime.host_memory", fromlist=["_"])._mallopt is None,
+                    reason="not glibc: no mallopt, and the heap's thresholds are left as they are")
+@pytest.mark.parametrize("budget", [False, True])
+def test_a_cpu_model_keeps_the_heaps_pages_unless_a_host_memory_budget_bounds_it(tmp_path, budget):
+    import json
+    import os
+    import subprocess
+    import sys
+    options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
+    if budget:
+        options["host_memory"] = "8GiB"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    out = subprocess.run([sys.executable, "-c", _ADOPTION_SCRIPT, json.dumps(options)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == str(not budget)
