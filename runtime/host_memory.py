@@ -14,7 +14,7 @@ copies, and a page handed back to the kernel costs a fault and a clearing
 when the next step touches it again.  :func:`keep_freed_pages` raises the
 mmap and trim thresholds once, so those pages stay in the heap from one step
 to the next (benchmarks/RESULTS.md, 2026-12-03: NVMe-tier GPT step at world
-2 on 2 cores 4.96 -> 4.08 s; 140k faults a rank-step before).
+2 on 2 cores 4.85 -> 4.43 s; 140k faults a rank-step before).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def keep_freed_pages() -> bool:
     """Keep freed heap pages mapped for reuse (a CPU device's steps): raise glibc's mmap and trim thresholds
     once per process; True if they are set.  Not where the environment sets glibc's malloc itself, nor off
     glibc.  Peak RSS is what a step needs, plus what the heap cannot reuse (2026-12-03: 1.24 -> 1.29 GiB for
-    the NVMe-tier GPT above, 1,003 -> 1,061 MiB under budgets.py's 1.5x budget, which is why a model with a
+    the NVMe-tier GPT above, 884 -> 953 MiB for budgets.py's stage3-nvme, which is why a model with a
     host_memory budget does not ask for this); the resting RSS between steps stays at the peak."""
     global _kept
     if _kept is None:

@@ -125,13 +125,17 @@ print(kept, faults_of_a_fresh_bucket())
 """
 
 
-def _second_bucket(env_extra: dict) -> tuple[bool, int]:
+def _without_malloc_settings() -> dict:
+    """This process's environment less glibc's malloc settings (which would make zinf leave the heap alone)."""
     import os
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+
+
+def _second_bucket(env_extra: dict) -> tuple[bool, int]:
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-    out = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT], env={**env, **env_extra}, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT], env={**_without_malloc_settings(), **env_extra},
+                         capture_output=True, text=True, check=True).stdout.split()
     return out[0] == "True", int(out[1])
 
 
@@ -165,14 +169,12 @@ print(host_memory.pages_kept())
 @pytest.mark.parametrize("budget", [False, True])
 def test_a_cpu_model_keeps_the_heaps_pages_unless_a_host_memory_budget_bounds_it(tmp_path, budget):
     import json
-    import os
     import subprocess
     import sys
     options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
     if budget:
         options["host_memory"] = "8GiB"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-    out = subprocess.run([sys.executable, "-c", _ADOPTION_SCRIPT, json.dumps(options)], env=env,
+    out = subprocess.run([sys.executable, "-c", _ADOPTION_SCRIPT, json.dumps(options)], env=_without_malloc_settings(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == str(not budget)
