@@ -57,7 +57,9 @@ def keep_freed_pages() -> bool:
     once per process; True if they are set.  Not where the environment sets glibc's malloc itself, nor off
     glibc.  Peak RSS is what a step needs, plus what the heap cannot reuse (2026-12-03: 1.24 -> 1.29 GiB for
     the NVMe-tier GPT above, 884 -> 953 MiB for budgets.py's stage3-nvme, which is why a model with a
-    host_memory budget does not ask for this); the resting RSS between steps stays at the peak."""
+    host_memory budget does not ask for this); the resting RSS between steps stays at the peak.  The heap may
+    still grow in the second step (posix_memalign wants more than a freed bucket's chunk when a small
+    allocation sits above it); from there on freed chunks coalesce and serve each step."""
     global _kept
     if _kept is None:
         _kept = (_mallopt is not None and not any(name in os.environ for name in _USER_MALLOC_SETTINGS)

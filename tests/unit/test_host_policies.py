@@ -120,8 +120,7 @@ def faults_of_a_fresh_bucket():
     bucket.fill_(1.0)
     del bucket
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_a_fresh_bucket()  # the first one maps its pages
-print(kept, faults_of_a_fresh_bucket())
+print(kept, *[faults_of_a_fresh_bucket() for _ in range(8)])  # eight steps' buckets; the first maps its pages
 """
 
 
@@ -131,23 +130,35 @@ def _without_malloc_settings() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
 
 
-def _second_bucket(env_extra: dict) -> tuple[bool, int]:
+def _buckets_faults(env_extra: dict) -> tuple[bool, list[int]]:
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT], env={**_without_malloc_settings(), **env_extra},
                          capture_output=True, text=True, check=True).stdout.split()
-    return out[0] == "True", int(out[1])
+    return out[0] == "True", [int(faults) for faults in out[1:]]
+
+
+_BUCKET_PAGES = 64 * 1024**2 // 4096
 
 
 @pytest.mark.skipif(__import__("zinf_compiler.runtime.host_memory", fromlist=["_"])._mallopt is None,
                     reason="not glibc: no mallopt, and the heap's thresholds are left as they are")
-def test_kept_heap_pages_serve_the_next_steps_bucket_without_faults():
-    """A 64 MiB bucket freed and allocated again: glibc's default maps it afresh (a fault per page, 16k), the kept
-    heap reuses its pages; the user's own malloc settings leave glibc as it is."""
-    kept, faults = _second_bucket({})
-    assert kept and faults < 1000, faults
-    kept, faults = _second_bucket({"MALLOC_ARENA_MAX": "2", "MALLOC_TOP_PAD_": "0"})
-    assert not kept and faults > 8000, faults
+def test_kept_heap_pages_serve_the_next_steps_buckets_without_faults():
+    """A 64 MiB bucket allocated, touched and freed eight times (a step's gathered bucket, eight steps): glibc's
+    default maps each one afresh (a fault per page, 16k), the kept heap serves them from pages it holds; the
+    user's own malloc settings leave glibc as it is.
+
+    The kept heap may grow once more after the first bucket: posix_memalign asks for more than the freed chunk
+    holds, and when a small allocation lands between that chunk and the heap's top (on busy cores, 1 run in 3
+    on 2026-12-03) the second bucket takes new pages.  The two freed chunks then coalesce, and from there on
+    (the last four) no bucket faults."""
+    kept, faults = _buckets_faults({})
+    assert kept, faults
+    assert sum(faults[1:]) < _BUCKET_PAGES + 1000, faults
+    assert sum(faults[4:]) < 1000, faults
+    kept, faults = _buckets_faults({"MALLOC_ARENA_MAX": "2", "MALLOC_TOP_PAD_": "0"})
+    assert not kept, faults
+    assert all(fault_count > _BUCKET_PAGES // 2 for fault_count in faults[1:]), faults
 
 
 _ADOPTION_SCRIPT = """
