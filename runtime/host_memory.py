@@ -42,7 +42,11 @@ KEEP_MMAP_THRESHOLD_BYTES = 256 * 1024**2
 KEEP_TRIM_THRESHOLD_BYTES = 1024**3
 # The user's own malloc settings win: zinf then leaves the heap's thresholds as they are.
 _USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+# glibc's own starting thresholds (malloc.h's DEFAULT_MMAP_THRESHOLD_MIN and DEFAULT_TRIM_THRESHOLD).
+_GLIBC_MMAP_THRESHOLD_BYTES = 128 * 1024
+_GLIBC_TRIM_THRESHOLD_BYTES = 128 * 1024
 _kept = None  # whether keep_freed_pages set the thresholds (None: not asked yet)
+_bounded = False  # whether a host_memory budget claimed the heap (bound_heap): it keeps no freed pages from then on
 
 
 def trim() -> bool:
@@ -61,11 +65,27 @@ def keep_freed_pages() -> bool:
     still grow in the second step (posix_memalign wants more than a freed bucket's chunk when a small
     allocation sits above it); from there on freed chunks coalesce and serve each step."""
     global _kept
+    if _bounded:
+        return False
     if _kept is None:
         _kept = (_mallopt is not None and not any(name in os.environ for name in _USER_MALLOC_SETTINGS)
                  and bool(_mallopt(_M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD_BYTES))
                  and bool(_mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD_BYTES)))
     return _kept
+
+
+def bound_heap() -> None:
+    """A model with a host_memory budget in this process: the heap keeps no freed pages from now on, also where an
+    unbudgeted model asked for them before (the budget is a bound, the kept pages only speed).  Thresholds that
+    :func:`keep_freed_pages` raised go back to glibc's starting values (fixed from then on: glibc no longer
+    adapts them), and the free pages go back to the OS now; the budgeted model's steps trim after each step."""
+    global _kept, _bounded
+    _bounded = True
+    if _kept:
+        _mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_BYTES)
+        _mallopt(_M_TRIM_THRESHOLD, _GLIBC_TRIM_THRESHOLD_BYTES)
+        trim()
+    _kept = False
 
 
 def pages_kept() -> bool:

@@ -19,7 +19,7 @@ from . import ram_cache
 from .model_plan import PlanBudgets, PlannedParam, plan_model
 from .options import ZinfOptions, budget_bytes
 from .runtime.aio import validate_folder
-from .runtime.host_memory import available_bytes, keep_freed_pages, ranks_on_node
+from .runtime.host_memory import available_bytes, bound_heap, keep_freed_pages, ranks_on_node
 from .runtime.param_plan import ParamPlan
 from .runtime.store import DTYPES, ZinfStoreError
 from .runtime.tiers import store_tier
@@ -90,10 +90,13 @@ def adopt(store, param: torch.Tensor, name: str, options: ZinfOptions, mesh, pla
         return record
     if plan is None:
         raise ZinfStoreError(f"parameter {name} was not planned before its adoption (adoption.plan_offload)")
-    if plan.device.type == "cpu" and options.host_memory is None:
+    if options.host_memory is not None:
+        # A budget bounds the process's peak: the kept heap's fragmentation (about 5%, benchmarks/RESULTS.md,
+        # 2026-12-03) would raise it, so no model of this process keeps freed pages from now on.
+        bound_heap()
+    elif plan.device.type == "cpu":
         # Each step reallocates its gathers and gradients in host memory: the heap keeps their pages
-        # (runtime/host_memory.py).  Not under a host_memory budget, whose peak the kept heap's fragmentation
-        # would raise by about 5% (benchmarks/RESULTS.md, 2026-12-03).
+        # (runtime/host_memory.py).
         keep_freed_pages()
     return store.adopt(param, name, plan, group=group, read_local=read_local, mesh=mesh)
 

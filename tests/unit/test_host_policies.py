@@ -162,30 +162,57 @@ def test_kept_heap_pages_serve_the_next_steps_buckets_without_faults():
 
 
 _ADOPTION_SCRIPT = """
-import json, sys, torch
+import json, resource, sys, torch
 import zinf_compiler
 from zinf_compiler.runtime import host_memory
-options = json.loads(sys.argv[1])
-model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-compiled = torch.compile(model, backend="zinf", options=options)
-opt = zinf_compiler.optim.AdamW(model.parameters(), lr=1e-3)
-compiled(torch.randn(8, 32)).square().mean().backward()
-opt.step()
-print(host_memory.pages_kept())
+kept_after_each = []
+for options in json.loads(sys.argv[1]):  # the models, built and stepped in turn in this one process
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    compiled = torch.compile(model, backend="zinf", options=options)
+    opt = zinf_compiler.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    kept_after_each.append(host_memory.pages_kept())
+def faults_of_a_fresh_bucket():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    bucket = torch.empty(64 * 1024**2 // 4)
+    bucket.fill_(1.0)
+    del bucket
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"kept": kept_after_each, "faults": [faults_of_a_fresh_bucket() for _ in range(8)]}))
 """
 
 
 @pytest.mark.skipif(__import__("zinf_compiler.runtime.host_memory", fromlist=["_"])._mallopt is None,
                     reason="not glibc: no mallopt, and the heap's thresholds are left as they are")
-@pytest.mark.parametrize("budget", [False, True])
-def test_a_cpu_model_keeps_the_heaps_pages_unless_a_host_memory_budget_bounds_it(tmp_path, budget):
+@pytest.mark.parametrize("budgets, kept_after_each", [
+    ([False], [True]),
+    ([True], [False]),
+    ([False, True], [True, False]),  # the budget wins over the model before it: its peak is a bound
+    ([True, False], [False, False]),  # and over the models after it
+])
+def test_a_cpu_model_keeps_the_heaps_pages_unless_a_host_memory_budget_bounds_the_process(tmp_path, budgets,
+                                                                                          kept_after_each):
+    """A real NVMe-tier compile and step on the CPU keeps the heap's pages; a model with a host_memory budget, in
+    either order beside an unbudgeted one, leaves the process with glibc's thresholds: a 64 MiB bucket then
+    takes fresh pages each time, as glibc's default does."""
     import json
     import subprocess
     import sys
-    options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)}
-    if budget:
-        options["host_memory"] = "8GiB"
-    out = subprocess.run([sys.executable, "-c", _ADOPTION_SCRIPT, json.dumps(options)], env=_without_malloc_settings(),
+    models = []
+    for index, budget in enumerate(budgets):
+        (tmp_path / f"model{index}").mkdir()
+        options = {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+                   "nvme_path": str(tmp_path / f"model{index}")}
+        if budget:
+            options["host_memory"] = "8GiB"
+        models.append(options)
+    out = subprocess.run([sys.executable, "-c", _ADOPTION_SCRIPT, json.dumps(models)], env=_without_malloc_settings(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == str(not budget)
+    figures = json.loads(out.stdout.splitlines()[-1])
+    assert figures["kept"] == kept_after_each, figures
+    if kept_after_each[-1]:
+        assert sum(figures["faults"][4:]) < 1000, figures
+    else:
+        assert all(fault_count > _BUCKET_PAGES // 2 for fault_count in figures["faults"][1:]), figures
