@@ -110,16 +110,22 @@ def test_the_step_trims_host_memory_only_where_it_is_bounded(monkeypatch, kept, 
     assert host_memory_bounded(records) is (bounded_kept if kept else bounded_default)
 
 
-_REUSE_SCRIPT = """
-import resource, sys, torch
-from zinf_compiler.runtime import host_memory
-kept = host_memory.keep_freed_pages()
+# Both scripts below end by timing eight buckets with this: each one's minor faults.
+_BUCKET_FAULTS = """
+import resource
 def faults_of_a_fresh_bucket():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     bucket = torch.empty(64 * 1024**2 // 4)  # a gathered bucket of the default bucket_bytes
     bucket.fill_(1.0)
     del bucket
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+"""
+
+_REUSE_SCRIPT = """
+import sys, torch
+from zinf_compiler.runtime import host_memory
+kept = host_memory.keep_freed_pages()
+""" + _BUCKET_FAULTS + """
 print(kept, *[faults_of_a_fresh_bucket() for _ in range(8)])  # eight steps' buckets; the first maps its pages
 """
 
@@ -162,7 +168,7 @@ def test_kept_heap_pages_serve_the_next_steps_buckets_without_faults():
 
 
 _ADOPTION_SCRIPT = """
-import json, resource, sys, torch
+import json, sys, torch
 import zinf_compiler
 from zinf_compiler.runtime import host_memory
 kept_after_each = []
@@ -173,12 +179,7 @@ for options in json.loads(sys.argv[1]):  # the models, built and stepped in turn
     compiled(torch.randn(8, 32)).square().mean().backward()
     opt.step()
     kept_after_each.append(host_memory.pages_kept())
-def faults_of_a_fresh_bucket():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    bucket = torch.empty(64 * 1024**2 // 4)
-    bucket.fill_(1.0)
-    del bucket
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+""" + _BUCKET_FAULTS + """
 print(json.dumps({"kept": kept_after_each, "faults": [faults_of_a_fresh_bucket() for _ in range(8)]}))
 """
 
